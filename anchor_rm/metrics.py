@@ -1,0 +1,182 @@
+"""Transfer metrics for weak-to-strong reward models.
+
+Every accuracy here is in *points* (0..100), as are the gains built from them, so that a reader can
+compare a WRG of 3.0 with a standard error of 2.3 without converting units.
+
+    WRG          = Acc_student(ID) - Acc_teacher(ID)
+    AOG(target)  = Acc_student(target) - Acc_teacher(target)
+    NTS(target)  = AOG(target) - max(0, Acc_teacher(ID) - Acc_student(ID))
+    PGR          = (Acc_student - Acc_teacher) / (Acc_ceiling - Acc_teacher)
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Mapping, Sequence
+
+import numpy as np
+
+
+def _as_reward_vector(name: str, rewards: Sequence[float] | np.ndarray) -> np.ndarray:
+    vector = np.asarray(rewards, dtype=np.float64)
+    if vector.ndim != 1:
+        raise ValueError(f"{name}: expected a 1-D sequence of rewards, got shape {vector.shape}")
+    # A NaN reward compares False against everything and would silently count as a wrong pair;
+    # it always means a broken forward pass, so it must not become an accuracy.
+    if np.isnan(vector).any():
+        raise ValueError(f"{name}: contains NaN rewards")
+    return vector
+
+
+def _as_reward_pairs(chosen_rewards, rejected_rewards) -> tuple[np.ndarray, np.ndarray]:
+    chosen = _as_reward_vector("chosen_rewards", chosen_rewards)
+    rejected = _as_reward_vector("rejected_rewards", rejected_rewards)
+    if chosen.shape != rejected.shape:
+        raise ValueError(
+            f"chosen_rewards and rejected_rewards differ in length: {chosen.shape[0]} != {rejected.shape[0]}"
+        )
+    if chosen.shape[0] == 0:
+        raise ValueError("no pairs: accuracy of an empty set is undefined")
+    return chosen, rejected
+
+
+def _check_points(name: str, value: float) -> float:
+    value = float(value)
+    if not math.isfinite(value) or not 0.0 <= value <= 100.0:
+        raise ValueError(f"{name}: expected an accuracy in points (0..100), got {value!r}")
+    return value
+
+
+def pairwise_accuracy(
+    chosen_rewards: Sequence[float] | np.ndarray, rejected_rewards: Sequence[float] | np.ndarray
+) -> float:
+    """Percentage of pairs whose chosen response scores strictly above the rejected one.
+
+    An exact tie counts as wrong: a tie expresses no preference, and counting it as right (or as half)
+    would reward a model that collapses to a constant score. Truncation that cuts both responses away
+    produces exactly such ties (12% on HH helpful-base, see DESIGN.md), and they must cost accuracy.
+    """
+    chosen, rejected = _as_reward_pairs(chosen_rewards, rejected_rewards)
+    return float(100.0 * np.mean(chosen > rejected))
+
+
+def tie_rate(
+    chosen_rewards: Sequence[float] | np.ndarray, rejected_rewards: Sequence[float] | np.ndarray
+) -> float:
+    """Percentage (points) of pairs scored exactly equal; reported beside accuracy because ties are
+    counted wrong, so a high tie rate explains a low accuracy."""
+    chosen, rejected = _as_reward_pairs(chosen_rewards, rejected_rewards)
+    return float(100.0 * np.mean(chosen == rejected))
+
+
+def accuracy_standard_error(accuracy_points: float, n_pairs: int) -> float:
+    """Binomial standard error of an accuracy, in points: 100 * sqrt(p (1 - p) / n)."""
+    accuracy_points = _check_points("accuracy_points", accuracy_points)
+    if isinstance(n_pairs, bool) or int(n_pairs) != n_pairs or n_pairs < 1:
+        raise ValueError(f"n_pairs: expected an int >= 1, got {n_pairs!r}")
+    p = accuracy_points / 100.0
+    return 100.0 * math.sqrt(p * (1.0 - p) / int(n_pairs))
+
+
+def weak_to_strong_gain(student_id_acc: float, teacher_id_acc: float) -> float:
+    """WRG: how far the student rises above its teacher in-distribution."""
+    return _check_points("student_id_acc", student_id_acc) - _check_points("teacher_id_acc", teacher_id_acc)
+
+
+def ood_gain(student_target_acc: float, teacher_target_acc: float) -> float:
+    """AOG: how far the student rises above its teacher on one OOD target."""
+    return _check_points("student_target_acc", student_target_acc) - _check_points(
+        "teacher_target_acc", teacher_target_acc
+    )
+
+
+def net_transfer_score(aog: float, teacher_id_acc: float, student_id_acc: float) -> float:
+    """NTS: the OOD gain, less any ID accuracy the student lost against its teacher.
+
+    Only a loss is charged (max(0, .)); an ID gain is not added, so a method cannot buy NTS by
+    overfitting the source domain.
+    """
+    aog = float(aog)
+    if not math.isfinite(aog):
+        raise ValueError(f"aog: expected a finite number of points, got {aog!r}")
+    id_loss = _check_points("teacher_id_acc", teacher_id_acc) - _check_points("student_id_acc", student_id_acc)
+    return aog - max(0.0, id_loss)
+
+
+def mean_net_transfer_score(nts_by_target: Mapping[str, float]) -> float:
+    """Mean NTS over the OOD targets: the tuning objective."""
+    if not nts_by_target:
+        raise ValueError("nts_by_target is empty: mean NTS needs at least one OOD target")
+    return float(sum(float(v) for v in nts_by_target.values()) / len(nts_by_target))
+
+
+def performance_gap_recovered(student_acc: float, teacher_acc: float, ceiling_acc: float) -> float | None:
+    """PGR (Burns et al. 2023): the fraction of the teacher-to-ceiling gap the student closes.
+
+    Returns None when ceiling == teacher: the gap is zero, the ratio has no meaning, and reporting
+    0, inf or NaN would each suggest a result that was never measured. When the ceiling is below the
+    teacher the ratio is still returned, but its sign reads inverted; callers should show the raw
+    accuracies beside it.
+    """
+    student = _check_points("student_acc", student_acc)
+    teacher = _check_points("teacher_acc", teacher_acc)
+    ceiling = _check_points("ceiling_acc", ceiling_acc)
+    if ceiling == teacher:
+        return None
+    return (student - teacher) / (ceiling - teacher)
+
+
+@dataclass
+class TransferMetrics:
+    id_acc_teacher: float
+    id_acc_student: float
+    wrg: float
+    aog: dict[str, float]  # OOD target -> AOG, points
+    nts: dict[str, float]  # OOD target -> NTS, points
+    mean_nts: float
+    pgr_id: float | None  # None without an ID ceiling accuracy, or when ceiling == teacher
+
+
+def transfer_metrics(
+    teacher_acc: Mapping[str, float],
+    student_acc: Mapping[str, float],
+    id_name: str,
+    ceiling_acc: Mapping[str, float] | None = None,
+) -> TransferMetrics:
+    """All transfer metrics from per-dataset accuracies (points), keyed by dataset name.
+
+    `id_name` names the in-distribution dataset; every other key is an OOD target. Teacher and student
+    must cover the same datasets: a target one of them was not evaluated on would otherwise drop out of
+    the mean NTS silently.
+    """
+    if set(teacher_acc) != set(student_acc):
+        raise ValueError(
+            "teacher_acc and student_acc cover different datasets: "
+            f"teacher only {sorted(set(teacher_acc) - set(student_acc))}, "
+            f"student only {sorted(set(student_acc) - set(teacher_acc))}"
+        )
+    if id_name not in teacher_acc:
+        raise ValueError(f"id_name {id_name!r} is not among the datasets {sorted(teacher_acc)}")
+    targets = [name for name in teacher_acc if name != id_name]
+    if not targets:
+        raise ValueError("no OOD targets: transfer metrics need at least one dataset besides the ID one")
+
+    teacher_id = _check_points(f"teacher_acc[{id_name!r}]", teacher_acc[id_name])
+    student_id = _check_points(f"student_acc[{id_name!r}]", student_acc[id_name])
+    aog = {name: ood_gain(student_acc[name], teacher_acc[name]) for name in targets}
+    nts = {name: net_transfer_score(aog[name], teacher_id, student_id) for name in targets}
+
+    pgr_id = None
+    if ceiling_acc is not None and ceiling_acc.get(id_name) is not None:
+        pgr_id = performance_gap_recovered(student_id, teacher_id, ceiling_acc[id_name])
+
+    return TransferMetrics(
+        id_acc_teacher=teacher_id,
+        id_acc_student=student_id,
+        wrg=weak_to_strong_gain(student_id, teacher_id),
+        aog=aog,
+        nts=nts,
+        mean_nts=mean_net_transfer_score(nts),
+        pgr_id=pgr_id,
+    )

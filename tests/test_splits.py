@@ -1,0 +1,209 @@
+"""Cleaning, prompt-disjoint splits and the protocol built from them."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import pytest
+
+from anchor_rm.catalog import CATEGORIES, dataset_digest, load_dataset_pairs
+from anchor_rm.data import DataError, PreferencePair
+from anchor_rm.splits import (CleanCounts, ProtocolSplits, build_protocol_splits, clean_pairs, split_by_prompt,
+                              subsample)
+
+
+def pair(prompt: str, chosen: str = "good", rejected: str = "bad", **metadata) -> PreferencePair:
+    return PreferencePair(prompt, chosen, rejected, "toy", metadata)
+
+
+def toy(n_prompts: int, per_prompt: int = 3, name: str = "toy") -> list[PreferencePair]:
+    return [PreferencePair(f"{name} prompt {i}", f"good {i}.{j}", f"bad {i}.{j}", name)
+            for i in range(n_prompts) for j in range(per_prompt)]
+
+
+def prompts(pairs) -> set[str]:
+    return {p.prompt for p in pairs}
+
+
+def is_subsequence(part, whole) -> bool:
+    it = iter(whole)
+    return all(any(x == y for y in it) for x in part)
+
+
+# --- cleaning ---------------------------------------------------------------------------------------
+
+
+def test_clean_pairs_drops_and_counts_each_reason():
+    pairs = [
+        pair("p1"),
+        pair("p2", tie=True),
+        pair("  ", "a", "b"), pair("p3", "", "b"), pair("p4", "a", " \n"),
+        pair("p5", "same", " same "),
+        pair("p6", "x", "y"), pair("p6", "y", "x"),  # contradicting labels
+        pair("p7", "a", "b"), pair("p7", "a ", "b"),  # a repeat (after strip)
+        pair("p1", "other", "bad"),  # same prompt, different pair: kept
+    ]
+    kept, counts = clean_pairs(pairs)
+    assert counts == CleanCounts(total=11, kept=3, ties=1, empty=3, identical=1, conflicting=2, duplicates=1)
+    assert kept == [pairs[0], pairs[8], pairs[10]]  # the first of the repeats, in input order
+    assert counts.to_dict() == {"total": 11, "kept": 3, "ties": 1, "empty": 3, "identical": 1,
+                                "conflicting": 2, "duplicates": 1}
+
+
+def test_clean_pairs_without_dedupe_keeps_repeats_and_conflicts():
+    pairs = [pair("p", "x", "y"), pair("p", "y", "x"), pair("p", "x", "y")]
+    kept, counts = clean_pairs(pairs, dedupe=False)
+    assert kept == pairs and counts.kept == 3 and counts.duplicates == counts.conflicting == 0
+
+
+def test_clean_counts_on_shipped_data():
+    expected = {  # (total, kept, ties, empty, identical, conflicting, duplicates), measured on the shipped copies
+        "hh-helpful-base": (2354, 2348, 0, 4, 2, 0, 0),
+        "hh-harmless-base": (2312, 2308, 0, 4, 0, 0, 0),
+        "pandalm": (999, 762, 105, 52, 0, 0, 80),
+        "ultrafeedback": (1200, 1059, 136, 2, 3, 0, 0),
+        "pku-saferlhf": (5135, 3302, 0, 0, 0, 304, 1529),
+    }
+    for name, numbers in expected.items():
+        _, counts = clean_pairs(load_dataset_pairs(name))
+        assert tuple(counts.to_dict().values()) == numbers, name
+
+
+# --- split_by_prompt --------------------------------------------------------------------------------
+
+FRACTIONS = {"a": 0.3, "b": 0.4, "c": 0.1, "d": 0.2}
+
+
+def test_split_is_deterministic_and_seed_dependent():
+    pairs = toy(200)
+    first, again, other = (split_by_prompt(pairs, FRACTIONS, seed) for seed in (0, 0, 1))
+    assert first == again
+    assert first != other
+
+
+def test_split_is_prompt_disjoint_exhaustive_and_order_stable():
+    pairs = clean_pairs(load_dataset_pairs("pku-saferlhf"))[0]  # up to a dozen pairs per prompt
+    parts = split_by_prompt(pairs, FRACTIONS, seed=3)
+    assert sum(len(v) for v in parts.values()) == len(pairs)
+    names = list(parts)
+    for i, x in enumerate(names):
+        assert is_subsequence(parts[x], pairs)
+        for y in names[i + 1:]:
+            assert not prompts(parts[x]) & prompts(parts[y]), (x, y)
+
+
+@pytest.mark.parametrize("n_prompts, per_prompt", [(1000, 1), (300, 4), (40, 1)])
+def test_split_sizes_follow_fractions(n_prompts, per_prompt):
+    pairs = toy(n_prompts, per_prompt)
+    parts = split_by_prompt(pairs, FRACTIONS, seed=0)
+    for name, fraction in FRACTIONS.items():
+        # the cut falls at a prompt boundary: off by at most one prompt's pairs
+        assert abs(len(parts[name]) - fraction * len(pairs)) <= per_prompt, name
+
+
+def test_split_zero_fraction_is_empty_and_bad_fractions_raise():
+    pairs = toy(50)
+    assert split_by_prompt(pairs, {"train": 1.0, "unused": 0.0}, seed=0)["unused"] == []
+    with pytest.raises(ValueError, match=r"sum to 1.*'x': 0.5.*'y': 0.4"):
+        split_by_prompt(pairs, {"x": 0.5, "y": 0.4}, seed=0)
+    with pytest.raises(ValueError, match="non-negative"):
+        split_by_prompt(pairs, {"x": 1.5, "y": -0.5}, seed=0)
+
+
+def test_split_does_not_depend_on_python_hash_seed():
+    # Python's hash() of str changes per process; the split must not.
+    code = ("from anchor_rm.catalog import load_dataset_pairs, dataset_digest\n"
+            "from anchor_rm.splits import split_by_prompt\n"
+            "parts = split_by_prompt(load_dataset_pairs('hh-helpful-online'), {'x': 0.5, 'y': 0.5}, seed=7)\n"
+            "print(dataset_digest(parts['x']))\n")
+    digests = {subprocess.run([sys.executable, "-c", code], env={**os.environ, "PYTHONHASHSEED": seed},
+                              capture_output=True, text=True, check=True).stdout for seed in ("1", "2")}
+    assert len(digests) == 1
+    here = split_by_prompt(load_dataset_pairs("hh-helpful-online"), {"x": 0.5, "y": 0.5}, seed=7)
+    assert digests == {dataset_digest(here["x"]) + "\n"}
+
+
+def test_subsample_is_seeded_ordered_and_bounded():
+    pairs = toy(100, 1)
+    picked = subsample(pairs, 10, seed=0)
+    assert len(picked) == 10 and is_subsequence(picked, pairs)
+    assert picked == subsample(pairs, 10, seed=0) != subsample(pairs, 10, seed=1)
+    assert subsample(pairs, 500, seed=0) == pairs
+
+
+# --- the protocol -----------------------------------------------------------------------------------
+
+
+def fake_loader(sizes: dict[str, int]):
+    return lambda name: toy(sizes[name], 2, name)
+
+
+def source_splits(splits: ProtocolSplits) -> dict[str, list[PreferencePair]]:
+    return {k: getattr(splits, k) for k in ("teacher_train", "student_train", "id_val", "id_test")}
+
+
+def test_protocol_splits_are_disjoint_and_counted():
+    loader = fake_loader({"src": 500, "t1": 100, "t2": 60})
+    splits = build_protocol_splits("src", ["t1", "t2"], seed=0, loader=loader)
+    parts = source_splits(splits)
+    sizes = {k: len(v) for k, v in parts.items()}
+    assert sizes == {"teacher_train": 300, "student_train": 400, "id_val": 100, "id_test": 200}
+    seen: set[str] = set()
+    for part in parts.values():
+        assert not prompts(part) & seen
+        seen |= prompts(part)
+    for target in ("t1", "t2"):
+        val, test = splits.ood[target]["val"], splits.ood[target]["test"]
+        assert not prompts(val) & prompts(test) and len(val) + len(test) == 2 * {"t1": 100, "t2": 60}[target]
+    assert splits.counts["src"]["splits"]["id_test"] == 200
+    assert splits.counts["t2"]["total"] == 120 and splits.counts["t2"]["kept"] == 120
+    assert build_protocol_splits("src", ["t1", "t2"], seed=0, loader=loader) == splits
+
+
+def test_protocol_caps_subsample_within_each_split():
+    loader = fake_loader({"src": 500, "t1": 100})
+    full = build_protocol_splits("src", ["t1"], seed=4, loader=loader)
+    caps = {"teacher_train": 50, "student_train": 60, "id_val": 10, "id_test": 20, "ood_val": 7, "ood_test": 9}
+    capped = build_protocol_splits("src", ["t1"], seed=4, loader=loader, max_pairs=caps)
+    for key, part in source_splits(capped).items():
+        assert len(part) == caps[key] and is_subsequence(part, source_splits(full)[key])
+    for half in ("val", "test"):
+        assert len(capped.ood["t1"][half]) == caps[f"ood_{half}"]
+        assert is_subsequence(capped.ood["t1"][half], full.ood["t1"][half])
+    assert capped.counts["t1"]["splits"] == {"val": 7, "test": 9}
+    for bad in ({"train": 5}, {"id_val": 0}):
+        with pytest.raises(ValueError, match="max_pairs takes positive ints"):
+            build_protocol_splits("src", ["t1"], seed=4, loader=loader, max_pairs=bad)
+
+
+def test_protocol_rejects_empty_datasets_and_bad_arguments():
+    def loader(name):
+        return [pair("p", "same", "same")] if name == "dead" else toy(100, 1, name)
+
+    with pytest.raises(DataError, match="'dead': no pair left after cleaning"):
+        build_protocol_splits("src", ["dead"], seed=0, loader=loader)
+    with pytest.raises(ValueError, match="sum to 1"):
+        bad = (("teacher_train", 0.5), ("student_train", 0.5), ("id_val", 0.1), ("id_test", 0.1))
+        build_protocol_splits("src", ["t"], seed=0, loader=loader, source_fractions=bad)
+    with pytest.raises(ValueError, match="exclude the source"):
+        build_protocol_splits("src", ["src"], seed=0, loader=loader)
+    with pytest.raises(DataError, match="split 'id_val' is empty"):
+        build_protocol_splits("src", ["t"], seed=0, loader=lambda name: toy(3, 1, name))
+
+
+@pytest.mark.parametrize("category", sorted(CATEGORIES))
+def test_protocol_on_shipped_data(category):
+    protocol = CATEGORIES[category]
+    splits = build_protocol_splits(protocol["source"], protocol["targets"], seed=0)
+    parts = source_splits(splits)
+    total = sum(len(v) for v in parts.values())
+    assert total == splits.counts[protocol["source"]]["kept"]
+    assert abs(len(splits.id_test) - 0.2 * total) <= 3
+    all_prompts = [prompts(v) for v in parts.values()]
+    assert sum(len(p) for p in all_prompts) == len(set().union(*all_prompts))
+    assert set(splits.ood) == set(protocol["targets"])
+    for target in protocol["targets"]:
+        assert splits.ood[target]["val"] and splits.ood[target]["test"]
+        assert not prompts(splits.ood[target]["val"]) & prompts(splits.ood[target]["test"])

@@ -1,0 +1,73 @@
+import pytest
+import torch
+
+from anchor_rm.data import PreferencePair
+from anchor_rm.encoding import RewardEncoder
+from anchor_rm.metrics import pairwise_accuracy
+from anchor_rm.scoring import RewardScorer, encode_pairs
+from anchor_rm.training import TrainConfig, epoch_batches, train_reward_model
+
+
+def _pairs(n=48):
+    # Separable toy preference: the chosen response says "good", the rejected one says "bad".
+    return [PreferencePair(f"question number {i}", f"good answer {i % 7}", f"bad answer {i % 5}", "toy") for i in range(n)]
+
+
+def _train(tiny_bert, tok, config, targets=None, seed=0, reference=None):
+    enc = RewardEncoder(tok, 32, decoder=False)
+    model = tiny_bert(seed)
+    encoded = encode_pairs(enc, _pairs())
+    logs = []
+    result = train_reward_model(model, encoded, targets or [1.0] * len(encoded), config, reference=reference,
+                                pad_token_id=tok.pad_token_id, on_step=logs.append)
+    return model, enc, encoded, logs, result
+
+
+def test_gold_training_learns_a_separable_preference(tiny_bert, minilm_tokenizer):
+    config = TrainConfig(method="gold", epochs=4, batch_size=8, learning_rate=1e-3, bf16=False)
+    model, enc, encoded, logs, _ = _train(tiny_bert, minilm_tokenizer, config)
+    chosen, rejected = RewardScorer(model, enc).score_pairs(encoded)
+    assert pairwise_accuracy(chosen, rejected) == 100.0
+    assert logs[-1].loss < logs[0].loss
+
+
+def test_training_is_deterministic_on_cpu(tiny_bert, minilm_tokenizer):
+    config = TrainConfig(method="naive", epochs=1, batch_size=8, learning_rate=1e-3, bf16=False)
+    a = _train(tiny_bert, minilm_tokenizer, config, targets=[0.8] * 48)[0]
+    b = _train(tiny_bert, minilm_tokenizer, config, targets=[0.8] * 48)[0]
+    for (name, pa), (_, pb) in zip(a.named_parameters(), b.named_parameters()):
+        assert torch.equal(pa, pb), name
+
+
+def test_anchor_term_is_zero_at_step_zero_and_grows(tiny_bert, minilm_tokenizer):
+    reference = tiny_bert(0).eval()  # the same initial weights as the student
+    config = TrainConfig(method="anchor", anchor_lambda=0.1, anchor_layers="middle", epochs=2, batch_size=8,
+                         learning_rate=1e-3, bf16=False)
+    _, _, _, logs, _ = _train(tiny_bert, minilm_tokenizer, config, targets=[0.9] * 48, reference=reference)
+    assert logs[0].anchor_loss == 0.0
+    assert logs[-1].anchor_loss > 0.0
+    assert logs[-1].loss == pytest.approx(logs[-1].w2s_loss + 0.1 * logs[-1].anchor_loss, rel=1e-5)
+
+
+def test_anchor_needs_a_reference(tiny_bert, minilm_tokenizer):
+    with pytest.raises(ValueError, match="frozen reference"):
+        _train(tiny_bert, minilm_tokenizer, TrainConfig(method="anchor", epochs=1), targets=[0.9] * 48)
+
+
+def test_epoch_batches_cover_every_pair_once_and_group_lengths():
+    lengths = [5, 100, 7, 90, 6, 95, 8, 99] * 10
+    batches = epoch_batches(lengths, 8, seed=1, epoch=0, grouped=True)
+    assert sorted(i for b in batches for i in b) == list(range(80))
+    assert epoch_batches(lengths, 8, 1, 0, True) == batches  # same seed, same epoch: same batches
+    assert epoch_batches(lengths, 8, 1, 1, True) != batches
+    spread = max(max(lengths[i] for i in b) - min(lengths[i] for i in b) for b in batches)
+    assert spread < 95  # no batch mixes the shortest and the longest sequences
+
+
+def test_config_validation_names_the_field():
+    with pytest.raises(ValueError, match="method must be one of"):
+        TrainConfig(method="magic")
+    with pytest.raises(ValueError, match="anchor_lambda"):
+        TrainConfig(anchor_lambda=-1)
+    with pytest.raises(ValueError, match="batch_size"):
+        TrainConfig(batch_size=0)
