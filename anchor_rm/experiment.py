@@ -117,9 +117,12 @@ def _log_scores(prefix: str, scores) -> None:
 
 
 def _gold_stage(stage: str, model_name: str, train_cfg: TrainConfig, cfg: ProtocolConfig, splits: ProtocolSplits,
-                data: StageRun, experiment_id: str, train_pairs, label_pairs=None) -> StageRun:
-    """Trains `model_name` on gold labels and scores every val and test split (teacher and ceiling)."""
-    key = cache_key(STAGE_VERSION, stage, data.outputs["digests"], model_name, train_cfg.to_dict(), cfg.eval_batch_size)
+                data: StageRun, experiment_id: str, train_pairs, label_pairs=None,
+                eval_splits: tuple[str, ...] = ("val", "test")) -> StageRun:
+    """Trains `model_name` on gold labels and scores it on `eval_splits` (teacher: val for the tuning
+    objective and test for the report; ceiling: test only)."""
+    key = cache_key(STAGE_VERSION, stage, data.outputs["digests"], model_name, train_cfg.to_dict(), cfg.eval_batch_size,
+                    eval_splits)
 
     def compute() -> dict:
         log.info("%s: training %s on %d gold pairs", stage, model_name, len(train_pairs))
@@ -127,7 +130,7 @@ def _gold_stage(stage: str, model_name: str, train_cfg: TrainConfig, cfg: Protoc
         result, _ = train_on_pairs(rm, train_pairs, None, train_cfg, on_step=_step_logger())
         mlflow.log_metric("train/pairs_per_second", result.pairs_seen / max(result.seconds, 1e-9))
         outputs = {"model": model_name, "scores": {}}
-        for split in ("val", "test"):
+        for split in eval_splits:
             scores = evaluate_model(rm, splits, split, cfg.eval_batch_size)
             _log_scores(split, scores)
             outputs["scores"][split] = scores_to_dict(scores)
@@ -153,15 +156,15 @@ def prepare_shared(cfg: ProtocolConfig, experiment_id: str) -> SharedStages:
     ceiling = None
     if cfg.train_ceiling:
         gold = TrainConfig(**{**cfg.student_train.to_dict(), "method": "gold"})
-        ceiling = _gold_stage("ceiling", cfg.student, gold, cfg, splits, data, experiment_id, splits.student_train)
+        ceiling = _gold_stage("ceiling", cfg.student, gold, cfg, splits, data, experiment_id, splits.student_train,
+                              eval_splits=("test",))
     return SharedStages(splits, data, teacher, ceiling)
 
 
-def validation_metrics(shared: SharedStages, student_scores) -> dict[str, float]:
+def validation_metrics(source: str, teacher_val: dict, student_scores: dict) -> dict[str, float]:
     """Accuracy per val set and NTS per OOD target against the teacher: the tuning objective."""
-    teacher = shared.teacher_scores("val")
-    tm = transfer_metrics({k: v.accuracy for k, v in teacher.items()}, {k: v.accuracy for k, v in student_scores.items()},
-                          shared.splits.source)
+    tm = transfer_metrics({k: v.accuracy for k, v in teacher_val.items()},
+                          {k: v.accuracy for k, v in student_scores.items()}, source)
     out = {f"val/acc/{metric_name(k)}": v.accuracy for k, v in student_scores.items()}
     out.update({f"val/nts/{metric_name(k)}": v for k, v in tm.nts.items()})
     out.update({"val/wrg": tm.wrg, "val/mean_nts": tm.mean_nts})
@@ -197,9 +200,9 @@ def train_student(cfg: ProtocolConfig, shared: SharedStages, train_cfg: TrainCon
     reference = frozen_reference(cfg.student) if train_cfg.uses_anchor else None
     history: list[dict] = []
 
-    def on_epoch_end(epoch: int, model) -> dict:
+    def on_epoch_end(epoch: int, model, optimizer_state: dict) -> dict:
         scores = evaluate_model(rm, shared.splits, "val", cfg.eval_batch_size)
-        metrics = validation_metrics(shared, scores)
+        metrics = validation_metrics(shared.splits.source, shared.teacher_scores("val"), scores)
         mlflow.log_metrics(metrics, step=epoch)
         history.append(metrics)
         log.info("epoch %d: val mean NTS %.2f, val ID acc %.1f", epoch, metrics["val/mean_nts"],

@@ -4,6 +4,11 @@ A report is written as three files (report.json, report.md, report.png). report.
 registry version carries; its layout is fixed by anchor_rm/report_schema.json and documented in
 docs/report-schema.md. Validation runs that schema file through jsonschema, so the checks and the
 published schema cannot drift apart.
+
+Two kinds of report share the layout. A "protocol" report (the default) is what training and tuning
+produce: exactly one ID row, the teacher on every row, every metric defined. An "evaluation" report
+(pipelines/evaluate.py) scores a model on whatever data it is given: the teacher may be unknown
+(teacher accuracies null) and no row need be ID, so the metrics that need them are null or absent.
 """
 
 from __future__ import annotations
@@ -23,9 +28,12 @@ from typing import Any, Literal
 
 from jsonschema import Draft202012Validator
 
-from anchor_rm.metrics import accuracy_standard_error, transfer_metrics
+from anchor_rm.metrics import (accuracy_standard_error, mean_net_transfer_score, net_transfer_score, ood_gain,
+                              performance_gap_recovered, transfer_metrics, weak_to_strong_gain)
 
 SCHEMA_VERSION = "1"
+PROTOCOL, EVALUATION = "protocol", "evaluation"
+REPORT_KINDS = (PROTOCOL, EVALUATION)
 SCHEMA_PATH = Path(__file__).with_name("report_schema.json")
 REPORT_FILENAMES = {"json": "report.json", "markdown": "report.md", "png": "report.png"}
 # Derived metrics are recomputed on read; JSON round-trips floats exactly, so this only absorbs
@@ -37,9 +45,9 @@ _DERIVED_TOLERANCE = 1e-6
 class SplitResult:
     dataset: str
     role: Literal["id", "ood"]
-    split: Literal["val", "test"]
+    split: Literal["val", "test", "all"]  # "all": a whole data set, in evaluation reports only
     n_pairs: int
-    teacher_accuracy: float  # points
+    teacher_accuracy: float | None  # points; None only in an evaluation report whose teacher is not known
     student_accuracy: float  # points
     ceiling_accuracy: float | None  # points; None when no gold-trained ceiling was evaluated
     student_tie_rate: float  # points; ties count as wrong, so this explains part of a low accuracy
@@ -52,25 +60,31 @@ class EvaluationReport:
     selection_splits: str
     figure_splits: str
     splits: list[SplitResult]
-    wrg: float
+    wrg: float | None  # None only in an evaluation report (no ID row, or no teacher on it)
     aog: dict[str, float]
     nts: dict[str, float]
-    mean_nts: float
+    mean_nts: float | None  # None only in an evaluation report (no NTS defined)
     pgr: float | None
     data_digests: dict[str, str] = field(default_factory=dict)
     schema_version: str = SCHEMA_VERSION
+    kind: str = PROTOCOL  # "protocol" (strict, training and tuning) or "evaluation" (evaluate.py)
 
     @property
-    def id_split(self) -> SplitResult:
-        return next(row for row in self.splits if row.role == "id")
+    def id_split(self) -> SplitResult | None:
+        """The ID row; a protocol report always has one, an evaluation report may not (then None)."""
+        return next((row for row in self.splits if row.role == "id"), None)
 
     @property
     def ood_splits(self) -> list[SplitResult]:
         return [row for row in self.splits if row.role == "ood"]
 
     def to_dict(self) -> dict[str, Any]:
+        # "kind" is written only for evaluation reports: a protocol report stays exactly what it was
+        # before kinds existed, so every reader of schema version 1 still reads it.
+        kind = {} if self.kind == PROTOCOL else {"kind": self.kind}
         report_dict = {
             "schema_version": self.schema_version,
+            **kind,
             "created_at": self.created_at,
             "model": dict(self.model),
             "selection_splits": self.selection_splits,
@@ -97,11 +111,16 @@ def load_report_schema() -> dict[str, Any]:
 
 
 @functools.lru_cache(maxsize=None)
-def _schema_validator(property_name: str | None = None) -> Draft202012Validator:
-    # The whole report, or one top-level property (with $defs kept so its $refs still resolve).
+def _schema_validator(property_name: str | None = None, kind: str = PROTOCOL) -> Draft202012Validator:
+    # The whole report, or one top-level property (with $defs kept so its $refs still resolve) under the
+    # rules of `kind`: a protocol report adds $defs/protocol_report's stricter rules for that property.
     schema = load_report_schema()
     if property_name is not None:
-        schema = {"$defs": schema["$defs"], **schema["properties"][property_name]}
+        parts = [schema["properties"][property_name]]
+        strict = schema["$defs"]["protocol_report"]["properties"].get(property_name)
+        if kind == PROTOCOL and strict is not None:
+            parts.append(strict)
+        schema = {"$defs": schema["$defs"], "allOf": parts}
     Draft202012Validator.check_schema(schema)
     return Draft202012Validator(schema)
 
@@ -129,6 +148,12 @@ def _non_json_errors(value: Any, path: tuple[Any, ...]) -> list[str]:
     return errors
 
 
+def _resolve_local_ref(subschema: dict[str, Any]) -> dict[str, Any]:
+    # {"$ref": "#/$defs/name"} -> that definition, so messages can quote its description.
+    ref = subschema.get("$ref", "")
+    return load_report_schema()["$defs"].get(ref.removeprefix("#/$defs/"), subschema) if ref else subschema
+
+
 def _schema_errors(value: Any, validator: Draft202012Validator, prefix: tuple[Any, ...] = ()) -> list[str]:
     errors = _non_json_errors(value, prefix)
     for error in validator.iter_errors(value):
@@ -142,7 +167,7 @@ def _schema_errors(value: Any, validator: Draft202012Validator, prefix: tuple[An
                        for key in error.instance if key not in allowed]
         elif error.validator in ("contains", "minContains", "maxContains"):
             # jsonschema's "does not contain" message quotes the whole list; name what was wanted instead.
-            wanted = error.schema["contains"].get("description", "a matching item")
+            wanted = _resolve_local_ref(error.schema["contains"]).get("description", "a matching item")
             message = error.message if error.validator != "contains" else "no item matches the given schema"
             errors.append(f"{_field_path(path)}: {message} (wanted: {wanted})")
         else:
@@ -178,7 +203,7 @@ def _consistency_errors(report_dict: dict[str, Any]) -> list[str]:
     if errors:
         return errors
 
-    derived = _derive_metrics(rows)
+    derived = _derive_metrics(rows, report_dict.get("kind", PROTOCOL))
     for key in ("wrg", "mean_nts", "pgr"):
         stored, expected = report_dict[key], derived[key]
         if (stored is None) != (expected is None) or (
@@ -188,7 +213,9 @@ def _consistency_errors(report_dict: dict[str, Any]) -> list[str]:
     for key in ("aog", "nts"):
         stored, expected = report_dict[key], derived[key]
         if set(stored) != set(expected):
-            errors.append(f"{key}: keys {sorted(stored)} differ from the OOD datasets {sorted(expected)}")
+            errors.append(f"{key}: keys {sorted(stored)} differ from the OOD datasets {sorted(expected)}"
+                          + ("" if report_dict.get("kind", PROTOCOL) == PROTOCOL else
+                             " (those with a teacher accuracy; for NTS also a teacher accuracy on an ID row)"))
             continue
         for target, value in expected.items():
             if not math.isclose(stored[target], value, abs_tol=_DERIVED_TOLERANCE):
@@ -208,7 +235,9 @@ def validate_report_dict(report_dict: Any) -> None:
 # ---------------------------------------------------------------------------------------------------
 # Building and (de)serialising.
 
-def _derive_metrics(rows: list[dict[str, Any]]) -> dict[str, Any]:
+def _derive_metrics(rows: list[dict[str, Any]], kind: str = PROTOCOL) -> dict[str, Any]:
+    if kind == EVALUATION:
+        return _derive_evaluation_metrics(rows)
     id_name = next(row["dataset"] for row in rows if row["role"] == "id")
     ceiling = {row["dataset"]: row["ceiling_accuracy"] for row in rows if row["ceiling_accuracy"] is not None}
     metrics = transfer_metrics(
@@ -219,6 +248,24 @@ def _derive_metrics(rows: list[dict[str, Any]]) -> dict[str, Any]:
     )
     return {"wrg": metrics.wrg, "aog": metrics.aog, "nts": metrics.nts, "mean_nts": metrics.mean_nts,
             "pgr": metrics.pgr_id}
+
+
+def _derive_evaluation_metrics(rows: list[dict[str, Any]]) -> dict[str, Any]:
+    """The same formulas as transfer_metrics, each only where its inputs exist: AOG on OOD rows with a
+    teacher accuracy; WRG, NTS and PGR only with a teacher accuracy on an ID row. With a teacher on every
+    row, one ID row and an OOD row, the result equals transfer_metrics'."""
+    id_row = next((row for row in rows if row["role"] == "id"), None)
+    aog = {row["dataset"]: ood_gain(row["student_accuracy"], row["teacher_accuracy"])
+           for row in rows if row["role"] == "ood" and row["teacher_accuracy"] is not None}
+    wrg, nts, pgr = None, {}, None
+    if id_row is not None and id_row["teacher_accuracy"] is not None:
+        teacher_id, student_id = id_row["teacher_accuracy"], id_row["student_accuracy"]
+        wrg = weak_to_strong_gain(student_id, teacher_id)
+        nts = {name: net_transfer_score(gain, teacher_id, student_id) for name, gain in aog.items()}
+        if id_row["ceiling_accuracy"] is not None:
+            pgr = performance_gap_recovered(student_id, teacher_id, id_row["ceiling_accuracy"])
+    mean_nts = mean_net_transfer_score(nts) if nts else None
+    return {"wrg": wrg, "aog": aog, "nts": nts, "mean_nts": mean_nts, "pgr": pgr}
 
 
 def _canonical_model(model_info: dict[str, Any]) -> dict[str, Any]:
@@ -237,23 +284,32 @@ def build_report(
     figure_splits: str,
     data_digests: dict[str, str] | None = None,
     created_at: str | None = None,
+    kind: str = PROTOCOL,
 ) -> EvaluationReport:
     """Assemble a report and compute WRG, AOG, NTS, mean NTS and PGR (ID) from the rows.
 
-    `results` holds exactly one row with role "id" and at least one "ood" row, all on `figure_splits`.
+    kind="protocol" (training, tuning): `results` holds exactly one row with role "id" and at least one
+    "ood" row, all on `figure_splits`, each with a teacher accuracy. kind="evaluation" (any model on any
+    data): at most one "id" row, teacher accuracies may be None; metrics without their inputs are None
+    (WRG, mean NTS, PGR) or left out (AOG, NTS keys).
     """
+    if kind not in REPORT_KINDS:
+        raise ValueError(f"kind: expected one of {list(REPORT_KINDS)}, got {kind!r}")
     id_rows = [row.dataset for row in results if row.role == "id"]
-    if len(id_rows) != 1:
-        raise ValueError(f"results: expected exactly one row with role 'id', got {len(id_rows)}: {id_rows}")
-    if not any(row.role == "ood" for row in results):
-        raise ValueError("results: expected at least one row with role 'ood'; transfer needs an OOD target")
+    if kind == PROTOCOL:
+        if len(id_rows) != 1:
+            raise ValueError(f"results: expected exactly one row with role 'id', got {len(id_rows)}: {id_rows}")
+        if not any(row.role == "ood" for row in results):
+            raise ValueError("results: expected at least one row with role 'ood'; transfer needs an OOD target")
+    elif len(id_rows) > 1:
+        raise ValueError(f"results: expected at most one row with role 'id', got {len(id_rows)}: {id_rows}")
     model = _canonical_model(model_info)
     rows = [asdict(row) for row in results]
     # Schema and split-policy checks first, so a bad row is reported by its path, not by a metrics error.
-    errors = _schema_errors(rows, _schema_validator("splits"), ("splits",))
+    errors = _schema_errors(rows, _schema_validator("splits", kind), ("splits",))
     if errors:
         raise ValueError("invalid evaluation report: " + "; ".join(errors))
-    derived = _derive_metrics(rows)
+    derived = _derive_metrics(rows, kind)
     report = EvaluationReport(
         created_at=created_at or datetime.now(timezone.utc).isoformat(timespec="seconds"),
         model=model,
@@ -261,6 +317,7 @@ def build_report(
         figure_splits=figure_splits,
         splits=[_split_result_from_dict(row) for row in rows],
         data_digests=dict(data_digests or {}),
+        kind=kind,
         **derived,
     )
     report.to_dict()  # validates the whole report
@@ -274,11 +331,15 @@ def _split_result_from_dict(row: dict[str, Any]) -> SplitResult:
         role=row["role"],
         split=row["split"],
         n_pairs=int(row["n_pairs"]),
-        teacher_accuracy=float(row["teacher_accuracy"]),
+        teacher_accuracy=_optional_float(row["teacher_accuracy"]),
         student_accuracy=float(row["student_accuracy"]),
-        ceiling_accuracy=None if row["ceiling_accuracy"] is None else float(row["ceiling_accuracy"]),
+        ceiling_accuracy=_optional_float(row["ceiling_accuracy"]),
         student_tie_rate=float(row["student_tie_rate"]),
     )
+
+
+def _optional_float(value: Any) -> float | None:
+    return None if value is None else float(value)
 
 
 def report_from_dict(report_dict: dict[str, Any]) -> EvaluationReport:
@@ -292,12 +353,13 @@ def report_from_dict(report_dict: dict[str, Any]) -> EvaluationReport:
         selection_splits=report_dict["selection_splits"],
         figure_splits=report_dict["figure_splits"],
         splits=rows,
-        wrg=float(report_dict["wrg"]),
+        wrg=_optional_float(report_dict["wrg"]),
         aog={k: float(v) for k, v in report_dict["aog"].items()},
         nts={k: float(v) for k, v in report_dict["nts"].items()},
-        mean_nts=float(report_dict["mean_nts"]),
-        pgr=None if report_dict["pgr"] is None else float(report_dict["pgr"]),
+        mean_nts=_optional_float(report_dict["mean_nts"]),
+        pgr=_optional_float(report_dict["pgr"]),
         data_digests=dict(report_dict["data_digests"]),
+        kind=report_dict.get("kind", PROTOCOL),
     )
 
 
@@ -319,48 +381,49 @@ def _accuracy_cell(accuracy: float | None, n_pairs: int) -> str:
     return f"{accuracy:.1f} ±{accuracy_standard_error(accuracy, n_pairs):.1f}"
 
 
+def _rows_in_order(report: EvaluationReport) -> list[SplitResult]:
+    return [row for row in [report.id_split, *report.ood_splits] if row is not None]
+
+
+def _has_teacher(report: EvaluationReport) -> bool:
+    return any(row.teacher_accuracy is not None for row in report.splits)
+
+
 def report_to_markdown(report: EvaluationReport) -> str:
     model = report.model
     hyperparameters = ", ".join(f"`{k}={v}`" for k, v in sorted(model["hyperparameters"].items())) or "none"
     has_ceiling = any(row.ceiling_accuracy is not None for row in report.splits)
+    # A protocol report always has every column; an evaluation report drops the ones nothing fills.
+    has_teacher = _has_teacher(report)
+    has_aog, has_nts = report.kind == PROTOCOL or bool(report.aog), report.kind == PROTOCOL or bool(report.nts)
+    teacher = f"`{model['teacher']}`" if model.get("teacher") else "not known"
+    if report.kind == EVALUATION and not has_teacher:
+        teacher += " (not scored)"
     lines = [
         f"# Evaluation report: {model['name']}",
         "",
         f"- Method: {model['method']}",
-        f"- Student: `{model['student']}`; teacher: `{model['teacher']}`",
+        f"- Student: `{model['student']}`; teacher: {teacher}",
         f"- Hyperparameters: {hyperparameters}",
-        f"- Run: {model.get('run_id') or 'not recorded'}; created {report.created_at}; schema {report.schema_version}",
+        f"- Run: {model.get('run_id') or 'not recorded'}; created {report.created_at}; schema {report.schema_version}"
+        + (f"; kind {report.kind}" if report.kind != PROTOCOL else ""),
         "",
     ]
-    header = ["dataset", "role", "split", "pairs", "teacher acc", "student acc"]
+    header = ["dataset", "role", "split", "pairs"] + (["teacher acc"] if has_teacher else []) + ["student acc"]
     header += ["ceiling acc"] if has_ceiling else []
-    header += ["AOG", "NTS", "student ties"]
+    header += (["AOG"] if has_aog else []) + (["NTS"] if has_nts else []) + ["student ties"]
     lines += ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
-    for row in [report.id_split, *report.ood_splits]:
-        cells = [row.dataset.replace("|", "\\|"), row.role, row.split, str(row.n_pairs),
-                 _accuracy_cell(row.teacher_accuracy, row.n_pairs), _accuracy_cell(row.student_accuracy, row.n_pairs)]
+    for row in _rows_in_order(report):
+        cells = [row.dataset.replace("|", "\\|"), row.role, row.split, str(row.n_pairs)]
+        cells += [_accuracy_cell(row.teacher_accuracy, row.n_pairs)] if has_teacher else []
+        cells.append(_accuracy_cell(row.student_accuracy, row.n_pairs))
         cells += [_accuracy_cell(row.ceiling_accuracy, row.n_pairs)] if has_ceiling else []
-        if row.role == "ood":
-            cells += [f"{report.aog[row.dataset]:+.1f}", f"{report.nts[row.dataset]:+.1f}"]
-        else:
-            cells += ["-", "-"]
+        cells += [f"{report.aog[row.dataset]:+.1f}" if row.dataset in report.aog else "-"] if has_aog else []
+        cells += [f"{report.nts[row.dataset]:+.1f}" if row.dataset in report.nts else "-"] if has_nts else []
         cells.append(f"{row.student_tie_rate:.1f}")
         lines.append("| " + " | ".join(cells) + " |")
-
-    id_row = report.id_split
-    if report.pgr is not None:
-        pgr_text = f"{report.pgr:.2f}"
-    elif id_row.ceiling_accuracy is None:
-        pgr_text = "n/a (no ceiling accuracy on the ID split)"
-    else:
-        pgr_text = "undefined (ceiling equals teacher on the ID split)"
+    lines += [""] + (_protocol_summary(report) if report.kind == PROTOCOL else _evaluation_summary(report))
     lines += [
-        "",
-        f"- WRG (student - teacher, ID `{id_row.dataset}`): {report.wrg:+.1f} points",
-        f"- Mean NTS over {len(report.nts)} OOD targets: {report.mean_nts:+.1f} points",
-        f"- PGR (ID): {pgr_text}",
-        f"- Splits: model selection used `{report.selection_splits}`; every number and figure here "
-        f"comes from `{report.figure_splits}`.",
         "",
         "Accuracies are pairwise accuracy in points (chosen scored strictly above rejected; exact ties "
         "count as wrong), ± one binomial standard error; `pairs` is the number of pairs behind each.",
@@ -371,12 +434,59 @@ def report_to_markdown(report: EvaluationReport) -> str:
     return "\n".join(lines) + "\n"
 
 
+def _pgr_text(report: EvaluationReport) -> str:
+    if report.pgr is not None:
+        return f"{report.pgr:.2f}"
+    if report.id_split.ceiling_accuracy is None:
+        return "n/a (no ceiling accuracy on the ID split)"
+    return "undefined (ceiling equals teacher on the ID split)"
+
+
+def _splits_line(report: EvaluationReport) -> str:
+    return (f"- Splits: model selection used `{report.selection_splits}`; every number and figure here "
+            f"comes from `{report.figure_splits}`.")
+
+
+def _protocol_summary(report: EvaluationReport) -> list[str]:
+    return [
+        f"- WRG (student - teacher, ID `{report.id_split.dataset}`): {report.wrg:+.1f} points",
+        f"- Mean NTS over {len(report.nts)} OOD targets: {report.mean_nts:+.1f} points",
+        f"- PGR (ID): {_pgr_text(report)}",
+        _splits_line(report),
+    ]
+
+
+def _evaluation_summary(report: EvaluationReport) -> list[str]:
+    id_row, lines = report.id_split, []
+    if not _has_teacher(report):
+        lines.append("- No teacher accuracies: no teacher model was found to score, so AOG, WRG and NTS are not "
+                     "computed.")
+    if report.wrg is not None:
+        lines.append(f"- WRG (student - teacher, ID `{id_row.dataset}`): {report.wrg:+.1f} points")
+    elif id_row is None:
+        lines.append("- WRG and NTS: n/a (no dataset is marked in-distribution)")
+    elif _has_teacher(report):
+        lines.append(f"- WRG and NTS: n/a (no teacher accuracy on the ID row `{id_row.dataset}`)")
+    if report.mean_nts is not None:
+        lines.append(f"- Mean NTS over {len(report.nts)} OOD targets: {report.mean_nts:+.1f} points")
+    if report.wrg is not None:
+        lines.append(f"- PGR (ID): {_pgr_text(report)}")
+    if report.figure_splits == "all":
+        lines.append("- Data: every row is a whole data set as given (`all`), not a held-out split: a model "
+                     "trained or tuned on part of a data set is scored on those pairs too.")
+    else:
+        lines.append(_splits_line(report))
+    return lines
+
+
 def _render_png(report: EvaluationReport) -> bytes:
     # Figure without pyplot: Agg rendering, no display, and no global backend switch for the caller.
     from matplotlib.figure import Figure
 
-    rows = [report.id_split, *report.ood_splits]
-    series = [("teacher", "teacher_accuracy", "#9e9e9e"), ("student", "student_accuracy", "#1f77b4")]
+    rows = _rows_in_order(report)
+    series = [("student", "student_accuracy", "#1f77b4")]
+    if _has_teacher(report):
+        series.insert(0, ("teacher", "teacher_accuracy", "#9e9e9e"))
     if any(row.ceiling_accuracy is not None for row in rows):
         series.append(("ceiling", "ceiling_accuracy", "#2ca02c"))
     width = 0.8 / len(series)
@@ -392,16 +502,26 @@ def _render_png(report: EvaluationReport) -> bytes:
                 errors.append(accuracy_standard_error(accuracy, row.n_pairs))
         axes.bar(positions, heights, width, yerr=errors, capsize=3, label=label, color=color)
     axes.axhline(50.0, color="black", linestyle="--", linewidth=1, label="chance (50)")
-    tick_labels = [f"{row.dataset}\n({row.role.upper()}, n={row.n_pairs})" for row in rows]
-    tick_labels = [label + (f"\nNTS {report.nts[row.dataset]:+.1f}" if row.role == "ood" else f"\nWRG {report.wrg:+.1f}")
-                   for label, row in zip(tick_labels, rows)]
+    tick_labels = []
+    for row in rows:
+        label = f"{row.dataset}\n({row.role.upper()}, n={row.n_pairs})"
+        if row.dataset in report.nts:
+            label += f"\nNTS {report.nts[row.dataset]:+.1f}"
+        elif row.role == "id" and report.wrg is not None:
+            label += f"\nWRG {report.wrg:+.1f}"
+        elif row.dataset in report.aog:
+            label += f"\nAOG {report.aog[row.dataset]:+.1f}"
+        tick_labels.append(label)
     axes.set_xticks(range(len(rows)), tick_labels)
     axes.set_ylim(0, 100)
     axes.set_ylabel("pairwise accuracy (points)")
-    axes.set_title(
-        f"{report.model['name']} ({report.model['method']}) on {report.figure_splits}: "
-        f"mean NTS {report.mean_nts:+.1f} points"
-    )
+    title = f"{report.model['name']} ({report.model['method']}) on {report.figure_splits}"
+    if report.kind == EVALUATION:  # model URIs run long: name on a line of its own
+        title = f"{report.model['name']} ({report.model['method']})\non " + (
+            "whole data sets" if report.figure_splits == "all" else report.figure_splits)
+    if report.mean_nts is not None:
+        title += f": mean NTS {report.mean_nts:+.1f} points"
+    axes.set_title(title, fontsize="medium" if report.kind == EVALUATION else None)
     axes.legend(loc="upper left", bbox_to_anchor=(1.01, 1.0), fontsize="small")
     buffer = io.BytesIO()
     figure.savefig(buffer, format="png", dpi=120)

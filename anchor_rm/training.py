@@ -137,15 +137,15 @@ def train_reward_model(
     reference: torch.nn.Module | None = None,
     pad_token_id: int,
     on_step: Callable[[StepLog], None] | None = None,
-    on_epoch_end: Callable[[int, torch.nn.Module], dict | None] | None = None,
+    on_epoch_end: Callable[[int, torch.nn.Module, dict], dict | None] | None = None,
     start_epoch: int = 0,
     optimizer_state: dict | None = None,
 ) -> TrainResult:
     """Trains `model` in place on encoded pairs with per-pair targets q (probability chosen > rejected).
 
-    `reference` is the frozen pretrained copy, needed when config.uses_anchor. `on_epoch_end(epoch, model)`
-    runs on every rank after each epoch (evaluate, checkpoint, report) and may return metrics to keep.
-    `start_epoch` and `optimizer_state` resume an interrupted run from a checkpoint.
+    `reference` is the frozen pretrained copy, needed when config.uses_anchor. `on_epoch_end(epoch, model,
+    optimizer_state)` runs on every rank after each epoch (evaluate, checkpoint, report) and may return
+    metrics to keep. `start_epoch` and `optimizer_state` resume an interrupted run from a checkpoint.
     """
     if len(target_probs) != len(train):
         raise ValueError(f"{len(train)} training pairs but {len(target_probs)} targets")
@@ -161,7 +161,8 @@ def train_reward_model(
 
     core = model
     if world > 1:
-        model = torch.nn.parallel.DistributedDataParallel(model)
+        device = next(core.parameters()).device
+        model = torch.nn.parallel.DistributedDataParallel(model, device_ids=[device.index] if device.type == "cuda" else None)
     layers = resolve_anchor_layers(config.anchor_layers, core.config.num_hidden_layers) if config.uses_anchor else []
     if reference is not None:
         reference.eval().requires_grad_(False)
@@ -203,7 +204,7 @@ def train_reward_model(
                 on_step(log)
         result.steps = step
         if on_epoch_end is not None:
-            metrics = on_epoch_end(epoch, core)
+            metrics = on_epoch_end(epoch, core, {"optimizer": optimizer.state_dict(), "scheduler": scheduler.state_dict()})
             if metrics:
                 result.epoch_metrics.append({"epoch": epoch, **metrics})
             model.train()

@@ -85,7 +85,9 @@ def train_on_pairs(
     *,
     reference: torch.nn.Module | None = None,
     on_step: Callable[[StepLog], None] | None = None,
-    on_epoch_end: Callable[[int, torch.nn.Module], dict | None] | None = None,
+    on_epoch_end: Callable[[int, torch.nn.Module, dict], dict | None] | None = None,
+    start_epoch: int = 0,
+    optimizer_state: dict | None = None,
 ) -> tuple[TrainResult, EncodedPairs]:
     """Trains rm in place. target_probs: one per input pair (soft labels), or None for gold (q = 1)."""
     encoded = rm.encode(pairs)
@@ -97,7 +99,7 @@ def train_on_pairs(
         targets = [float(target_probs[i]) for i in encoded.kept]
     result = train_reward_model(
         rm.model, encoded, targets, config, reference=reference, pad_token_id=rm.encoder.pad_token_id,
-        on_step=on_step, on_epoch_end=on_epoch_end,
+        on_step=on_step, on_epoch_end=on_epoch_end, start_epoch=start_epoch, optimizer_state=optimizer_state,
     )
     return result, encoded
 

@@ -64,3 +64,22 @@ def run_pipeline(script: str, *args: str, cwd: Path, env: dict | None = None, ti
     full_env.update({"HF_HUB_OFFLINE": "1", **(env or {})})
     return subprocess.run([PYTHON, str(ROOT / "pipelines" / script), *args], cwd=cwd, env=full_env,
                           capture_output=True, text=True, timeout=timeout)
+
+
+@contextmanager
+def ray_head(workdir: Path, num_cpus: int = 2):
+    """A real `ray start --head` on 127.0.0.1; yields its address and stops it afterwards."""
+    ray_bin = str(Path(PYTHON).parent / "ray")
+    port = free_port()
+    env = {**os.environ, "RAY_USAGE_STATS_ENABLED": "0"}
+    started = subprocess.run(
+        [ray_bin, "start", "--head", "--node-ip-address", "127.0.0.1", "--port", str(port), "--num-cpus", str(num_cpus),
+         "--disable-usage-stats"],  # keep the dashboard: Ray Train's cleanup uses its State API
+        cwd=workdir, env=env, capture_output=True, text=True, timeout=180,
+    )
+    if started.returncode != 0:
+        raise RuntimeError(f"ray start failed: {started.stderr[-2000:]}")
+    try:
+        yield f"127.0.0.1:{port}"
+    finally:
+        subprocess.run([ray_bin, "stop", "--force"], env=env, capture_output=True, timeout=120)

@@ -275,3 +275,142 @@ def test_build_report_normalises_numbers():
     report = build_report(MODEL_INFO, rows, selection_splits="val", figure_splits="test")
     assert isinstance(report.splits[0].teacher_accuracy, float) and report.splits[0] is not rows[0]
     assert report_from_dict(json.loads(json.dumps(report.to_dict()))) == report
+
+
+# ---------------------------------------------------------------------------------------------------
+# Evaluation reports (kind "evaluation"): any model on any data, teacher and ID row optional.
+
+def evaluation_rows(teacher=True, id_row=False):
+    return [
+        SplitResult("my-pairs.jsonl", "id" if id_row else "ood", "all", 40, 60.0 if teacher else None, 65.0, None, 2.5),
+        SplitResult("hhh-harmless", "ood", "all", 58, 50.0 if teacher else None, 55.0, None, 0.0),
+    ]
+
+
+def evaluation_report(rows, **overrides):
+    kwargs = dict(selection_splits="unknown", figure_splits="all", created_at="2025-01-02T03:04:05+00:00",
+                  data_digests={"hhh-harmless": DIGEST}, kind="evaluation")
+    kwargs.update(overrides)
+    info = {**MODEL_INFO, "name": "models:/anchor-rm-helpful/3"}
+    if rows and all(row.teacher_accuracy is None for row in rows):
+        info["teacher"] = None
+    return build_report(info, rows, **kwargs)
+
+
+def test_evaluation_report_without_teacher_or_id_row():
+    report = evaluation_report(evaluation_rows(teacher=False))
+    assert report.kind == "evaluation" and report.id_split is None
+    assert (report.wrg, report.mean_nts, report.pgr, report.aog, report.nts) == (None, None, None, {}, {})
+    report_dict = report.to_dict()
+    assert list(report_dict)[:2] == ["schema_version", "kind"] and report_dict["kind"] == "evaluation"
+    assert report_dict["model"]["teacher"] is None and report_dict["splits"][0]["teacher_accuracy"] is None
+    assert report_from_dict(json.loads(json.dumps(report_dict))) == report
+    text = report_to_markdown(report)
+    assert "| dataset | role | split | pairs | student acc | student ties |" in text
+    assert "| my-pairs.jsonl | ood | all | 40 | 65.0 ±7.5 | 2.5 |" in text
+    assert "teacher: not known (not scored)" in text and "No teacher accuracies" in text
+    assert "no dataset is marked in-distribution" in text and "whole data set as given" in text
+    assert "PGR" not in text and "Mean NTS" not in text and "kind evaluation" in text
+
+
+def test_evaluation_report_with_teacher_but_no_id_row_has_aog_only():
+    report = evaluation_report(evaluation_rows())
+    assert report.aog == {"my-pairs.jsonl": 5.0, "hhh-harmless": 5.0}
+    assert report.nts == {} and report.wrg is None and report.mean_nts is None
+    text = report_to_markdown(report)
+    assert "| dataset | role | split | pairs | teacher acc | student acc | AOG | student ties |" in text
+    assert "| hhh-harmless | ood | all | 58 | 50.0 ±6.6 | 55.0 ±6.5 | +5.0 | 0.0 |" in text
+
+
+def test_evaluation_report_with_teacher_and_id_row_matches_the_protocol_metrics():
+    rows = evaluation_rows(id_row=True)
+    report = evaluation_report(rows)
+    protocol_rows = [SplitResult(**{**row.__dict__, "split": "test"}) for row in rows]
+    protocol = build_report(MODEL_INFO, protocol_rows, selection_splits="val", figure_splits="test")
+    assert (report.wrg, report.aog, report.nts, report.mean_nts, report.pgr) == (
+        protocol.wrg, protocol.aog, protocol.nts, protocol.mean_nts, protocol.pgr)
+    assert "WRG (student - teacher, ID `my-pairs.jsonl`): +5.0 points" in report_to_markdown(report)
+
+
+def test_evaluation_report_with_a_partial_teacher():
+    rows = evaluation_rows(id_row=True)
+    rows[1].teacher_accuracy = None
+    report = evaluation_report(rows)
+    assert report.aog == {} and report.nts == {} and report.wrg == 5.0 and report.mean_nts is None
+    assert "| hhh-harmless | ood | all | 58 | - | 55.0 ±6.5 |" in report_to_markdown(report)
+
+
+def test_evaluation_report_rules():
+    rows = evaluation_rows()
+    rows[0].role = rows[1].role = "id"
+    with pytest.raises(ValueError, match=r"at most one row with role 'id', got 2"):
+        evaluation_report(rows)
+    with pytest.raises(ValueError, match=r"kind: expected one of \['protocol', 'evaluation'\], got 'other'"):
+        evaluation_report(evaluation_rows(), kind="other")
+    rows = evaluation_rows()
+    rows[1].split = "test"
+    with pytest.raises(ValueError, match=r"splits\[1\]\.split: expected 'all'"):
+        evaluation_report(rows)
+    report_dict = evaluation_report(evaluation_rows()).to_dict()
+    report_dict["aog"]["hhh-harmless"] = 9.0
+    with pytest.raises(ValueError, match=r"aog\.hhh-harmless: stored 9.0 but the splits give 5.0"):
+        report_from_dict(report_dict)
+    report_dict = evaluation_report(evaluation_rows()).to_dict()
+    report_dict["wrg"] = 1.0
+    with pytest.raises(ValueError, match=r"wrg: stored 1.0 but the splits give None"):
+        report_from_dict(report_dict)
+
+
+def test_protocol_reports_keep_the_strict_rules():
+    rows = split_rows()
+    rows[1].teacher_accuracy = None
+    with pytest.raises(ValueError, match=r"splits\[1\]\.teacher_accuracy: None is not of type 'number'"):
+        build_report(MODEL_INFO, rows, selection_splits="val", figure_splits="test")
+    rows = split_rows()
+    for row in rows:
+        row.split = "all"
+    with pytest.raises(ValueError, match=r"splits\[0\]\.split: 'all' is not one of \['val', 'test'\]"):
+        build_report(MODEL_INFO, rows, selection_splits="val", figure_splits="all")
+    with pytest.raises(ValueError, match=r"model\.teacher: None is not of type 'string'"):
+        build_report({**MODEL_INFO, "teacher": None}, split_rows(), selection_splits="val", figure_splits="test")
+    two_rows = build_report(MODEL_INFO, split_rows()[:2], selection_splits="val", figure_splits="test").to_dict()
+    for mutate, message in [
+        (lambda d: d.__setitem__("wrg", None), r"wrg: None is not of type 'number'"),
+        (lambda d: d.__setitem__("mean_nts", None), r"mean_nts: None is not of type 'number'"),
+        (lambda d: d["splits"][0].__setitem__("teacher_accuracy", None), r"splits\[0\]\.teacher_accuracy: None is not"),
+        (lambda d: d.update(kind="protocol", splits=d["splits"][:1]), r"splits: .* is too short"),
+        (lambda d: d.__setitem__("kind", "sloppy"), r"kind: 'sloppy' is not one of \['protocol', 'evaluation'\]"),
+    ]:
+        report_dict = copy.deepcopy(two_rows)
+        mutate(report_dict)
+        with pytest.raises(ValueError, match=message):
+            report_from_dict(report_dict)
+
+
+def test_protocol_report_json_is_unchanged_by_kinds():
+    # No "kind" key is written for a protocol report, so every reader of schema 1 still reads it; a
+    # report that names kind "protocol" explicitly reads the same.
+    report = example_report()
+    report_dict = report.to_dict()
+    assert "kind" not in report_dict and report.kind == "protocol"
+    assert report_from_dict({**report_dict, "kind": "protocol"}) == report
+
+
+def test_evaluation_png_and_files(tmp_path):
+    for report in (evaluation_report(evaluation_rows(teacher=False)), evaluation_report(evaluation_rows(id_row=True))):
+        paths = write_report(report, tmp_path / str(report.wrg))
+        assert paths["png"].read_bytes().startswith(PNG_SIGNATURE)
+        assert read_report(paths["json"]) == report
+
+
+def test_evaluation_report_validates_against_the_schema_file():
+    jsonschema = pytest.importorskip("jsonschema")
+    validator = jsonschema.Draft202012Validator(load_report_schema())
+    for report in (evaluation_report(evaluation_rows(teacher=False)), evaluation_report(evaluation_rows(id_row=True))):
+        validator.validate(json.loads(json.dumps(report.to_dict())))
+    # Without kind "evaluation" the same dict is held to the protocol rules by the schema file itself.
+    report_dict = evaluation_report(evaluation_rows(teacher=False)).to_dict()
+    report_dict.pop("kind")
+    assert not validator.is_valid(report_dict)
+    with pytest.raises(ValueError):
+        validate_report_dict(report_dict)

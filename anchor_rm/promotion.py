@@ -1,0 +1,526 @@
+"""Promotion: move the registry alias `champion` to a version only when its report passes the gates.
+
+A version is judged on the evaluation report it was registered with (registry.version_report) against the
+version that holds `champion` now:
+
+    report        it carries report/report.json with figures on the test splits     (--force cannot skip)
+    test splits   its report is on the same test splits as the champion's (registry.test_splits_digest)
+    mean OOD NTS  its mean NTS is not below the champion's                (no champion yet: does not apply)
+    ID accuracy   its student ID accuracy is at most `max_id_drop` points below the weak teacher's
+
+Promotion points `previous-champion` at the old champion, then `champion` at the new version, and tags the
+version `promoted_at` / `promoted_from`. `rollback` swaps the two aliases back. Nothing is ever deleted and
+registry stages are never used.
+
+Concurrency. The MLflow registry has no compare-and-set on aliases: setting one is a blind write and the
+last writer wins. Promotion is therefore optimistic, in three steps:
+
+1. decide   read the aliases and judge the gates against the champion (`decide`).
+2. write    read `champion` again just before writing; if it moved meanwhile, judge the gates again
+            against the new champion (and refuse if they now fail); then write `previous-champion` and
+            `champion` (`apply_promotion`).
+3. verify   wait `settle_seconds`, read `champion` back. If it no longer names our version, another
+            promotion or rollback wrote after us: the result is "lost-race" (the CLI exits 3), nothing is
+            tagged, and the alias as read is printed. Only a verified promotion is tagged.
+
+A promotion whose step-2 read comes after our write is judged against our version. Two that both read the
+old champion and both write within `settle_seconds` of each other: the last write stands, the other reports
+lost-race, and the one standing was judged against the old champion, not against the other candidate.
+Either way the printed outcomes read as one serial history that ends at the final alias. (MLflow's
+SQL store creates an alias by select-then-insert, so two writers creating the same alias at once make one
+fail on the unique key; that write is retried, which updates the row as a plain overwrite would.)
+
+The window that remains: a promoter that stalls for more than `settle_seconds` between its step-2 read and
+its write (a paused process, a very slow tracking server) can overwrite a promotion that has already
+reported success, without having been judged against it; both then report success and both set
+`previous-champion` to the champion they replaced. A longer `settle_seconds` narrows the window; the
+`promoted_from` tags show it after the fact (two versions promoted from the same champion). Closing it
+needs a lock or a conditional write, which the registry does not offer.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from dataclasses import dataclass
+from datetime import datetime, timezone
+from typing import Callable, Literal
+
+from mlflow.exceptions import MlflowException
+from mlflow.tracking import MlflowClient
+
+from anchor_rm import registry
+from anchor_rm.report import EvaluationReport
+
+DEFAULT_MAX_ID_DROP = 2.0  # points
+DEFAULT_SETTLE_SECONDS = 1.0
+FIGURE_SPLITS = "test"
+# Accuracies are k/n*100 and NTS sums of them: a tie must pass, whatever the last bit says.
+_TOLERANCE = 1e-9
+
+PROMOTED_AT_TAG = "promoted_at"
+PROMOTED_FROM_TAG = "promoted_from"
+PROMOTION_FORCED_TAG = "promotion_forced"
+ROLLED_BACK_AT_TAG = "rolled_back_at"
+ROLLED_BACK_FROM_TAG = "rolled_back_from"
+
+Status = Literal["promoted", "would-promote", "refused", "would-refuse", "already-champion", "lost-race"]
+RollbackStatus = Literal["rolled-back", "would-roll-back", "lost-race"]
+
+
+class PromotionInputError(ValueError):
+    """Bad input: an unknown model or version, no version holding `challenger`, a version without a
+    usable report, nothing to roll back to."""
+
+
+@dataclass(frozen=True)
+class VersionEvidence:
+    version: str
+    report: EvaluationReport | None
+
+    @property
+    def digest(self) -> str | None:
+        return None if self.report is None else registry.test_splits_digest(self.report)
+
+
+@dataclass(frozen=True)
+class Gate:
+    name: str
+    passed: bool
+    detail: str
+
+
+@dataclass(frozen=True)
+class Decision:
+    """A candidate judged against the champion of one moment."""
+
+    name: str
+    candidate: VersionEvidence  # always with a report on the test splits
+    champion: VersionEvidence | None  # None: no version holds `champion`
+    previous_champion: str | None
+    gates: tuple[Gate, ...]
+    max_id_drop: float
+    via_alias: str | None = None  # "challenger" when the candidate was taken from that alias
+
+    @property
+    def passed(self) -> bool:
+        return all(gate.passed for gate in self.gates)
+
+    @property
+    def failed_gates(self) -> list[Gate]:
+        return [gate for gate in self.gates if not gate.passed]
+
+    @property
+    def already_champion(self) -> bool:
+        return self.champion is not None and self.champion.version == self.candidate.version
+
+
+@dataclass(frozen=True)
+class PromotionResult:
+    status: Status
+    decision: Decision  # the decision the outcome rests on: re-judged if the champion moved before writing
+    champion: str | None  # `champion` as last read (after the write, when there was one)
+    previous_champion: str | None
+    forced: bool = False
+    notes: tuple[str, ...] = ()
+
+
+@dataclass(frozen=True)
+class RollbackResult:
+    status: RollbackStatus
+    name: str
+    rolled_back_from: str | None  # the champion before the rollback
+    rolled_back_to: str  # the previous champion, champion again
+    champion: str | None  # `champion` as last read
+    previous_champion: str | None
+    notes: tuple[str, ...] = ()
+
+
+# ---------------------------------------------------------------------------------------------------
+# Gates: pure functions of two reports.
+
+def _splits_summary(report: EvaluationReport) -> str:
+    return ", ".join(f"{row.dataset} ({row.role}, n={row.n_pairs})" for row in report.splits)
+
+
+def _champion_gates(candidate: EvaluationReport, champion: VersionEvidence) -> list[Gate]:
+    label, theirs = f"champion v{champion.version}", champion.report
+    if theirs is None or theirs.figure_splits != FIGURE_SPLITS:
+        why = "carries no report" if theirs is None else f"has figures on {theirs.figure_splits!r} splits"
+        return [Gate("champion report", False, f"{label} {why}: nothing to compare against")]
+    our_digest, their_digest = registry.test_splits_digest(candidate), registry.test_splits_digest(theirs)
+    if our_digest != their_digest:
+        return [
+            Gate("test splits", False,
+                 f"report for other test splits: candidate digest {our_digest} on {_splits_summary(candidate)}; "
+                 f"{label} digest {their_digest} on {_splits_summary(theirs)}"),
+            Gate("mean OOD NTS", False,
+                 f"{candidate.mean_nts:+.2f} vs {theirs.mean_nts:+.2f}: not comparable (different test splits)"),
+        ]
+    nts_passed = candidate.mean_nts >= theirs.mean_nts - _TOLERANCE
+    return [
+        Gate("test splits", True, f"same test splits as {label} (digest {our_digest})"),
+        Gate("mean OOD NTS", nts_passed,
+             f"{candidate.mean_nts:+.2f} {'>=' if nts_passed else '<'} {theirs.mean_nts:+.2f} ({label})"),
+    ]
+
+
+def judge(
+    candidate: EvaluationReport,
+    champion: VersionEvidence | None,
+    max_id_drop: float = DEFAULT_MAX_ID_DROP,
+) -> tuple[Gate, ...]:
+    """The promotion gates for `candidate` against `champion` (None before the first promotion)."""
+    gates = [] if champion is None else _champion_gates(candidate, champion)
+    id_row = candidate.id_split
+    floor = id_row.teacher_accuracy - max_id_drop
+    id_passed = id_row.student_accuracy >= floor - _TOLERANCE
+    gates.append(Gate(
+        "ID accuracy", id_passed,
+        f"{id_row.student_accuracy:.2f} {'>=' if id_passed else '<'} {floor:.2f} = teacher "
+        f"{id_row.teacher_accuracy:.2f} minus max ID drop {max_id_drop:g} points ({id_row.dataset})",
+    ))
+    return tuple(gates)
+
+
+# ---------------------------------------------------------------------------------------------------
+# Reading the registry.
+
+def _client() -> MlflowClient:
+    return MlflowClient()
+
+
+def read_aliases(name: str) -> dict[str, str]:
+    """All aliases of `name` in one read: {alias: version}."""
+    try:
+        model = _client().get_registered_model(name)
+    except MlflowException as exc:
+        if exc.error_code == "RESOURCE_DOES_NOT_EXIST":
+            raise PromotionInputError(f"no registered model named {name!r} in this tracking store") from None
+        raise
+    return {alias: str(version) for alias, version in model.aliases.items()}
+
+
+def _check_version(name: str, version: str) -> None:
+    if not str(version).isdigit():
+        raise PromotionInputError(f"version must be a number like 3, got {version!r}")
+    try:
+        mv = _client().get_model_version(name, str(version))
+    except MlflowException as exc:
+        if exc.error_code == "RESOURCE_DOES_NOT_EXIST":
+            raise PromotionInputError(f"{name} has no version {version}") from None
+        raise
+    if mv.status != "READY":
+        raise PromotionInputError(f"{name} version {version} is {mv.status}, not READY")
+
+
+def _evidence(name: str, version: str) -> VersionEvidence:
+    return VersionEvidence(str(version), registry.version_report(name, str(version)))
+
+
+def _candidate_evidence(name: str, version: str) -> VersionEvidence:
+    _check_version(name, version)
+    try:
+        evidence = _evidence(name, version)
+    except ValueError as exc:
+        raise PromotionInputError(f"{name} version {version}: its report is invalid: {exc}") from None
+    if evidence.report is None:
+        raise PromotionInputError(
+            f"{name} version {version} has no report ({registry.REPORT_JSON} in its run); only a version "
+            f"registered with its evaluation report can be promoted"
+        )
+    if evidence.report.figure_splits != FIGURE_SPLITS:
+        raise PromotionInputError(
+            f"{name} version {version}: its report's figures are on {evidence.report.figure_splits!r} splits; "
+            f"promotion compares figures on {FIGURE_SPLITS!r} splits only"
+        )
+    return evidence
+
+
+def _champion_evidence(name: str, version: str | None) -> VersionEvidence | None:
+    if version is None:
+        return None
+    try:
+        return _evidence(name, version)
+    except ValueError:  # an unreadable report: the "champion report" gate names it
+        return VersionEvidence(version, None)
+
+
+def decide(name: str, version: str | None = None, *, max_id_drop: float = DEFAULT_MAX_ID_DROP) -> Decision:
+    """Judge `version` (default: the version holding `challenger`) against the current champion.
+    Reads only; raises PromotionInputError on bad input."""
+    if not math.isfinite(max_id_drop):
+        raise PromotionInputError(f"max ID drop must be a finite number of points, got {max_id_drop!r}")
+    aliases = read_aliases(name)
+    via_alias = None
+    if version is None:
+        version = aliases.get(registry.CHALLENGER)
+        if version is None:
+            raise PromotionInputError(
+                f"no version of {name} holds the alias {registry.CHALLENGER!r}; name one with --version"
+            )
+        via_alias = registry.CHALLENGER
+    candidate = _candidate_evidence(name, str(version))
+    return _judged(name, candidate, aliases, max_id_drop, via_alias)
+
+
+def _judged(name: str, candidate: VersionEvidence, aliases: dict[str, str], max_id_drop: float,
+            via_alias: str | None) -> Decision:
+    champion_version = aliases.get(registry.CHAMPION)
+    if champion_version == candidate.version:
+        champion = candidate
+    else:
+        champion = _champion_evidence(name, champion_version)
+    gates = () if champion is candidate else judge(candidate.report, champion, max_id_drop)  # type: ignore[arg-type]
+    return Decision(name, candidate, champion, aliases.get(registry.PREVIOUS_CHAMPION), gates, max_id_drop, via_alias)
+
+
+# ---------------------------------------------------------------------------------------------------
+# Writing: promotion and rollback.
+
+# The SQL store sets an alias (and a tag) by select-then-insert: two writers creating the same alias at once
+# make the second insert fail on the unique key (a tracking server relays the same error). The row exists
+# by then, so writing again updates it: the blind overwrite the registry offers anyway.
+_WRITE_CONFLICT = ("unique constraint", "integrityerror", "duplicate entry", "duplicate key", "database is locked")
+
+
+def _write(action: Callable[[], object], attempts: int = 5) -> None:
+    for attempt in range(attempts):
+        try:
+            action()
+            return
+        except MlflowException as exc:
+            if attempt == attempts - 1 or not any(text in str(exc).lower() for text in _WRITE_CONFLICT):
+                raise
+            time.sleep(0.05 * (attempt + 1))
+
+
+def _set_alias(client: MlflowClient, name: str, alias: str, version: str) -> None:
+    _write(lambda: client.set_registered_model_alias(name, alias, version))
+
+
+def _set_tag(client: MlflowClient, name: str, version: str, key: str, value: str) -> None:
+    _write(lambda: client.set_model_version_tag(name, version, key, value))
+
+
+def _now() -> str:
+    return datetime.now(timezone.utc).isoformat(timespec="seconds")
+
+
+def _champion_of(decision: Decision) -> str | None:
+    return None if decision.champion is None else decision.champion.version
+
+
+def apply_promotion(
+    decision: Decision,
+    *,
+    force: bool = False,
+    settle_seconds: float = DEFAULT_SETTLE_SECONDS,
+    sleep: Callable[[float], None] = time.sleep,
+) -> PromotionResult:
+    """Steps 2 and 3 of the module docstring: re-read and re-judge, write both aliases, verify."""
+    name, candidate = decision.name, decision.candidate.version
+    if decision.already_champion:
+        return PromotionResult("already-champion", decision, candidate, decision.previous_champion)
+    if not decision.passed and not force:
+        return PromotionResult("refused", decision, _champion_of(decision), decision.previous_champion)
+
+    notes: list[str] = []
+    aliases = read_aliases(name)
+    current = aliases.get(registry.CHAMPION)
+    if current != _champion_of(decision):
+        notes.append(
+            f"champion moved from {_v(_champion_of(decision))} to {_v(current)} while this promotion was "
+            f"deciding; the gates were judged again against {_v(current)}"
+        )
+        decision = _judged(name, decision.candidate, aliases, decision.max_id_drop, decision.via_alias)
+        if decision.already_champion:
+            return PromotionResult("already-champion", decision, current, decision.previous_champion,
+                                   notes=tuple(notes))
+        if not decision.passed and not force:
+            return PromotionResult("refused", decision, current, decision.previous_champion, notes=tuple(notes))
+
+    client = _client()
+    # previous-champion first: a crash between the two writes leaves both on the old champion, not a
+    # previous-champion that names a version which never was champion.
+    if current is not None:
+        _set_alias(client, name, registry.PREVIOUS_CHAMPION, current)
+    _set_alias(client, name, registry.CHAMPION, candidate)
+    sleep(settle_seconds)
+    after = read_aliases(name)
+    champion_after, previous_after = after.get(registry.CHAMPION), after.get(registry.PREVIOUS_CHAMPION)
+    if champion_after != candidate:
+        notes.append(
+            f"another promotion or rollback moved champion to {_v(champion_after)} after this one set it to "
+            f"v{candidate}: this promotion did not stick"
+        )
+        return PromotionResult("lost-race", decision, champion_after, previous_after, force, tuple(notes))
+    if previous_after != current:
+        notes.append(f"previous-champion reads {_v(previous_after)}, not {_v(current)}: another promotion or "
+                     f"rollback is writing at the same time")
+
+    _set_tag(client, name, candidate, PROMOTED_AT_TAG, _now())
+    _set_tag(client, name, candidate, PROMOTED_FROM_TAG, current or "none")
+    if force and not decision.passed:
+        _set_tag(client, name, candidate, PROMOTION_FORCED_TAG, "; ".join(g.name for g in decision.failed_gates))
+    return PromotionResult("promoted", decision, champion_after, previous_after, force, tuple(notes))
+
+
+def promote(
+    name: str,
+    version: str | None = None,
+    *,
+    max_id_drop: float = DEFAULT_MAX_ID_DROP,
+    force: bool = False,
+    dry_run: bool = False,
+    settle_seconds: float = DEFAULT_SETTLE_SECONDS,
+    sleep: Callable[[float], None] = time.sleep,
+) -> PromotionResult:
+    """Decide, then (unless `dry_run`) apply: see the module docstring."""
+    decision = decide(name, version, max_id_drop=max_id_drop)
+    if dry_run:
+        return preview(decision, force=force)
+    return apply_promotion(decision, force=force, settle_seconds=settle_seconds, sleep=sleep)
+
+
+def preview(decision: Decision, *, force: bool = False) -> PromotionResult:
+    """What `apply_promotion` would do against the champion the decision was judged on; writes nothing."""
+    if decision.already_champion:
+        status: Status = "already-champion"
+    else:
+        status = "would-promote" if decision.passed or force else "would-refuse"
+    return PromotionResult(status, decision, _champion_of(decision), decision.previous_champion, force)
+
+
+def rollback(
+    name: str,
+    *,
+    dry_run: bool = False,
+    settle_seconds: float = DEFAULT_SETTLE_SECONDS,
+    sleep: Callable[[float], None] = time.sleep,
+) -> RollbackResult:
+    """Point `champion` back at `previous-champion`, and `previous-champion` at the version rolled back
+    from (so a second rollback undoes the first). No gates: a rollback restores a state that was live."""
+    aliases = read_aliases(name)
+    current, previous = aliases.get(registry.CHAMPION), aliases.get(registry.PREVIOUS_CHAMPION)
+    if previous is None:
+        raise PromotionInputError(f"{name} has no {registry.PREVIOUS_CHAMPION!r} alias: nothing to roll back to")
+    if previous == current:
+        raise PromotionInputError(
+            f"champion and previous-champion of {name} both name v{current}: nothing to roll back"
+        )
+    if dry_run:
+        return RollbackResult("would-roll-back", name, current, previous, current, previous)
+    client = _client()
+    if current is not None:
+        _set_alias(client, name, registry.PREVIOUS_CHAMPION, current)
+    _set_alias(client, name, registry.CHAMPION, previous)
+    sleep(settle_seconds)
+    after = read_aliases(name)
+    champion_after, previous_after = after.get(registry.CHAMPION), after.get(registry.PREVIOUS_CHAMPION)
+    if champion_after != previous:
+        note = (f"another promotion or rollback moved champion to {_v(champion_after)} after this rollback set it "
+                f"to v{previous}: the rollback did not stick")
+        return RollbackResult("lost-race", name, current, previous, champion_after, previous_after, (note,))
+    _set_tag(client, name, previous, ROLLED_BACK_AT_TAG, _now())
+    _set_tag(client, name, previous, ROLLED_BACK_FROM_TAG, current or "none")
+    return RollbackResult("rolled-back", name, current, previous, champion_after, previous_after)
+
+
+# ---------------------------------------------------------------------------------------------------
+# Printing.
+
+def _v(version: str | None) -> str:
+    return "none" if version is None else f"v{version}"
+
+
+def _figures(evidence: VersionEvidence | None) -> list[dict[str, str]]:
+    """One version's column of the comparison table, in groups: headline, AOG per target, pairs, identity."""
+    report = None if evidence is None else evidence.report
+    if report is None:
+        return [{}, {}, {}, {}]
+    id_row = report.id_split
+    return [
+        {"mean OOD NTS": f"{report.mean_nts:+.2f}", "WRG": f"{report.wrg:+.2f}",
+         "ID accuracy": f"{id_row.student_accuracy:.2f}", "teacher ID accuracy": f"{id_row.teacher_accuracy:.2f}"},
+        {f"AOG {target}": f"{value:+.2f}" for target, value in report.aog.items()},
+        {f"n pairs {row.dataset} ({row.role})": str(row.n_pairs) for row in report.splits},
+        {"method": str(report.model.get("method")), "test splits digest": evidence.digest or "-"},
+    ]
+
+
+def comparison_rows(decision: Decision) -> list[tuple[str, str, str]]:
+    """(figure, candidate, champion) rows of the comparison table; "-" where a side has no such figure."""
+    rows = []
+    for ours, theirs in zip(_figures(decision.candidate), _figures(decision.champion)):
+        rows += [(key, ours.get(key, "-"), theirs.get(key, "-")) for key in dict.fromkeys([*ours, *theirs])]
+    return rows
+
+
+def format_decision(decision: Decision) -> str:
+    """The comparison table and one PASS/FAIL line per gate."""
+    source = f" (holds {decision.via_alias})" if decision.via_alias else ""
+    champion = decision.champion
+    champion_label = f"champion {_v(_champion_of(decision))}"
+    lines = [f"{decision.name}: candidate v{decision.candidate.version}{source} vs {champion_label}"]
+    if champion is None:
+        lines.append("no champion yet: the first promotion needs a report and the ID gate only")
+    elif champion.report is None:
+        lines.append(f"champion v{champion.version} has no readable report")
+    header = ("", f"candidate v{decision.candidate.version}", champion_label)
+    rows = [header, *comparison_rows(decision)]
+    widths = [max(len(row[i]) for row in rows) for i in range(3)]
+    lines.append("")
+    for row in rows:
+        lines.append(f"  {row[0]:<{widths[0]}}  {row[1]:>{widths[1]}}  {row[2]:>{widths[2]}}".rstrip())
+    if decision.already_champion:
+        lines += ["", f"gates: not judged (v{decision.candidate.version} already holds champion)"]
+        return "\n".join(lines)
+    lines += ["", "gates:"]
+    lines += [f"  {'PASS' if gate.passed else 'FAIL'}  {gate.name}: {gate.detail}" for gate in decision.gates]
+    return "\n".join(lines)
+
+
+def format_result(result: PromotionResult) -> str:
+    """What happened, ending with one `outcome:` line."""
+    decision = result.decision
+    name, candidate = decision.name, decision.candidate.version
+    lines = [f"note: {note}" for note in result.notes]
+    failed = ", ".join(gate.name for gate in decision.failed_gates)
+    if result.forced and failed and result.status in ("promoted", "would-promote", "lost-race"):
+        lines.append(f"--force: promoting despite failed gates: {failed}")
+    aliases = f"(champion {_v(result.champion)}, previous-champion {_v(result.previous_champion)})"
+    outcome = {
+        "promoted": f"promoted {name} v{candidate} {aliases}",
+        "would-promote": f"dry run: would promote {name} v{candidate}; nothing moved {aliases}",
+        "refused": f"refused {name} v{candidate}: failed {failed}; nothing moved {aliases}",
+        "would-refuse": f"dry run: would refuse {name} v{candidate}: failed {failed}; nothing moved {aliases}",
+        "already-champion": f"{name} v{candidate} already holds champion; nothing moved {aliases}",
+        "lost-race": f"lost race: {name} v{candidate} is not champion {aliases}",
+    }[result.status]
+    lines.append(f"outcome: {outcome}")
+    return "\n".join(lines)
+
+
+def format_rollback(result: RollbackResult) -> str:
+    lines = [f"note: {note}" for note in result.notes]
+    aliases = f"(champion {_v(result.champion)}, previous-champion {_v(result.previous_champion)})"
+    old = _v(result.rolled_back_from)
+    move = f"champion {old} -> v{result.rolled_back_to}; previous-champion -> {old}"
+    outcome = {
+        "rolled-back": f"rolled back {result.name}: {move} {aliases}",
+        "would-roll-back": f"dry run: would roll back {result.name}: {move}; nothing moved {aliases}",
+        "lost-race": f"lost race: {result.name} champion is not v{result.rolled_back_to} {aliases}",
+    }[result.status]
+    lines.append(f"outcome: {outcome}")
+    return "\n".join(lines)
+
+
+def exit_code(status: str) -> int:
+    """0: promoted / would promote / already champion / rolled back; 1: a gate refused; 3: lost a race."""
+    if status in ("refused", "would-refuse"):
+        return 1
+    if status == "lost-race":
+        return 3
+    return 0
+

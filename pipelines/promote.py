@@ -1,0 +1,129 @@
+"""Promote a registered reward model: move the MLflow registry alias `champion` to a version that passes
+the promotion gates, or roll `champion` back to the version it replaced.
+
+    python pipelines/promote.py                        # judge the version holding `challenger`, promote if it passes
+    python pipelines/promote.py --version 3 --dry-run  # print the comparison and the decision; move nothing
+    python pipelines/promote.py --max-id-drop 1.0      # a stricter ID gate
+    python pipelines/promote.py --version 3 --force    # promote even though gates fail (still needs a report)
+    python pipelines/promote.py --rollback             # champion back to previous-champion
+    python pipelines/promote.py --tracking-uri http://127.0.0.1:5000 --name anchor-rm-harmless
+
+Every version registered by pipelines/tune.py carries its evaluation report; promotion reads it and the
+current champion's, prints them side by side (mean OOD NTS, WRG, ID accuracy, the teacher's ID accuracy,
+AOG per OOD target, pairs per split) and one PASS/FAIL line per gate:
+
+    test splits   the candidate's report is on the same test splits as the champion's
+    mean OOD NTS  the candidate's mean OOD NTS is not below the champion's
+    ID accuracy   the candidate's ID accuracy is at most --max-id-drop points below the weak teacher's
+                  (the first promotion, with no champion yet, is judged on this gate alone)
+
+A promotion points `previous-champion` at the old champion and `champion` at the new version, and tags
+the version promoted_at / promoted_from. No version is ever deleted, and registry stages are not used.
+A version without a report (or with figures on other than the test splits) is never promoted.
+
+exit status:
+    0  promoted (with --dry-run: would be promoted), already champion, or rolled back
+    1  a gate refused the version; nothing moved
+    2  bad input: unknown model or version, no version holds `challenger`, the version has no report,
+       nothing to roll back to, an unreachable tracking store
+    3  another promotion or rollback moved `champion` right after this one set it: this one did not stick;
+       the aliases printed are the final ones (MLflow has no atomic alias update: see anchor_rm/promotion.py)
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from _common import clean_errors, setup_logging  # noqa: E402
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--name", help="registered model name (default: anchor-rm-<category>, i.e. anchor-rm-helpful)")
+    p.add_argument("--category", choices=["helpful", "harmless"], default="helpful",
+                   help="picks the default --name: anchor-rm-helpful or anchor-rm-harmless")
+    p.add_argument("--version", help="the version to promote (default: the version holding the alias 'challenger', "
+                                     "which pipelines/train.py sets on every new version)")
+    p.add_argument("--max-id-drop", type=float, default=2.0, metavar="POINTS",
+                   help="ID gate: the candidate's ID accuracy may be at most this many points below the weak "
+                        "teacher's (default 2.0)")
+    p.add_argument("--force", action="store_true",
+                   help="promote even if gates fail (prints which); a report is still required")
+    p.add_argument("--dry-run", action="store_true", help="print the comparison and the decision; move no alias")
+    p.add_argument("--rollback", action="store_true",
+                   help="move champion back to previous-champion, and previous-champion to the version rolled "
+                        "back from (a second --rollback undoes the first); no gates")
+    p.add_argument("--tracking-uri",
+                   help="MLflow tracking URI (default: $MLFLOW_TRACKING_URI, else sqlite:///mlflow.db here)")
+    p.add_argument("--settle-seconds", type=float, default=1.0,
+                   help="wait this long after moving the alias before reading it back to detect a concurrent "
+                        "promotion (default 1.0)")
+    p.add_argument("--verbose", action="store_true")
+    return p
+
+
+def connect(tracking_uri: str | None) -> str:
+    """Point MLflow's tracking and registry at the store; refuse to create an empty SQLite file."""
+    import mlflow
+
+    from anchor_rm.tracking import resolve_tracking_uri
+
+    uri = resolve_tracking_uri(tracking_uri)
+    if uri.startswith("sqlite:///"):
+        path = Path(uri[len("sqlite:///"):])
+        if not path.exists():
+            raise FileNotFoundError(f"no MLflow database at {path} (pass --tracking-uri or set MLFLOW_TRACKING_URI)")
+    mlflow.set_tracking_uri(uri)
+    if uri.startswith("sqlite:") and not os.environ.get("MLFLOW_REGISTRY_URI"):
+        mlflow.set_registry_uri(uri)
+    return uri
+
+
+def main(argv=None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if args.rollback and (args.version or args.force):
+        parser.error("--rollback takes no --version or --force: it moves champion back to previous-champion")
+    if args.settle_seconds < 0:
+        parser.error("--settle-seconds must be >= 0")
+    setup_logging(args.verbose)
+    os.environ.setdefault("MLFLOW_ENABLE_ARTIFACTS_PROGRESS_BAR", "false")
+    with clean_errors():
+        from mlflow.exceptions import MlflowException
+
+        from anchor_rm import promotion
+        from anchor_rm.registry import default_model_name
+
+        name = args.name or default_model_name(args.category)
+        try:
+            uri = connect(args.tracking_uri)
+            print(f"tracking store: {uri}")
+            if args.rollback:
+                result = promotion.rollback(name, dry_run=args.dry_run, settle_seconds=args.settle_seconds)
+                print(promotion.format_rollback(result))
+                return promotion.exit_code(result.status)
+            decision = promotion.decide(name, args.version, max_id_drop=args.max_id_drop)
+            print(promotion.format_decision(decision))
+            print()
+            if args.dry_run:
+                result = promotion.preview(decision, force=args.force)
+            else:
+                result = promotion.apply_promotion(decision, force=args.force, settle_seconds=args.settle_seconds)
+            if result.decision is not decision:  # the champion moved before writing: show the new comparison
+                print(promotion.format_decision(result.decision))
+                print()
+            print(promotion.format_result(result))
+            return promotion.exit_code(result.status)
+        except MlflowException as exc:  # an unreachable server or a store error: one line, not a traceback
+            if os.environ.get("ANCHOR_RM_DEBUG"):
+                raise
+            print(f"error: MLflow: {exc.message}", file=sys.stderr)
+            return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,92 @@
+"""After the search: the selected model and the baselines evaluated once on the test splits, the comparison
+and the NTS-against-lambda chart, and the registry version that carries them."""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+from pathlib import Path
+
+from anchor_rm.experiment import SharedStages, final_report
+from anchor_rm.report import EvaluationReport
+from anchor_rm.workflow import load_saved
+from tuning.search import TrialOutcome
+
+log = logging.getLogger("anchor_rm")
+
+
+def checkpoint_folder(outcome: TrialOutcome, into: Path) -> Path:
+    """A trial's last checkpoint as a local folder (works for local and remote Ray storage)."""
+    import ray.train
+
+    return Path(ray.train.Checkpoint(outcome.checkpoint_path).to_directory(str(into)))
+
+
+def evaluate_outcome(shared: SharedStages, outcome: TrialOutcome, folder: Path, student: str, teacher: str,
+                     eval_batch_size: int, train_config: dict) -> EvaluationReport:
+    rm = load_saved(folder)
+    method = outcome.config.get("method")
+    info = {"name": f"{student} ({method})", "student": student, "teacher": teacher, "method": method,
+            "hyperparameters": {**train_config, **{k: v for k, v in outcome.config.items() if v is not None}},
+            "run_id": None}
+    return final_report(shared, rm, info, eval_batch_size, selection_splits="val")
+
+
+def comparison_table(reports: dict[str, EvaluationReport]) -> str:
+    """Methods side by side on the test splits (Markdown)."""
+    first = next(iter(reports.values()))
+    targets = [r.dataset for r in first.ood_splits]
+    head = "| model | ID acc | WRG | " + " | ".join(f"NTS {t}" for t in targets) + " | mean NTS | PGR |"
+    lines = [head, "|" + "---|" * (5 + len(targets))]
+    idr = first.id_split
+    lines.append(f"| weak teacher | {idr.teacher_accuracy:.1f} | - | " + " | ".join("-" for _ in targets) + " | - | - |")
+    if idr.ceiling_accuracy is not None:
+        lines.append(f"| strong ceiling (gold) | {idr.ceiling_accuracy:.1f} | {idr.ceiling_accuracy - idr.teacher_accuracy:+.1f} | "
+                     + " | ".join("-" for _ in targets) + " | - | 1.00 |")
+    for label, report in reports.items():
+        pgr = "-" if report.pgr is None else f"{report.pgr:.2f}"
+        lines.append(f"| {label} | {report.id_split.student_accuracy:.1f} | {report.wrg:+.1f} | "
+                     + " | ".join(f"{report.nts[t]:+.1f}" for t in targets) + f" | {report.mean_nts:+.2f} | {pgr} |")
+    sizes = ", ".join(f"{r.dataset} n={r.n_pairs}" for r in first.splits)
+    lines.append("")
+    lines.append(f"Test splits ({sizes}); points; selection on validation splits only.")
+    return "\n".join(lines)
+
+
+def nts_lambda_chart(outcomes: list[TrialOutcome], baselines: list[TrialOutcome], path: Path) -> Path:
+    """Validation mean NTS against lambda, one series per layer choice; baselines as horizontal lines.
+
+    lambda = 0 is drawn at the left edge (a log axis has no 0)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    from matplotlib.figure import Figure
+
+    fig = Figure(figsize=(7, 4.2))
+    ax = fig.add_subplot()
+    done = [o for o in outcomes if not math.isnan(o.val_mean_nts)]
+    positive = [o.config["anchor_lambda"] for o in done if o.config.get("anchor_lambda")]
+    zero_x = (min(positive) / 10) if positive else 1e-7
+    for layers, marker in (("last", "o"), ("middle", "s")):
+        pts = sorted((o.config["anchor_lambda"] or zero_x, o.val_mean_nts, o.epochs) for o in done if o.config.get("anchor_layers") == layers)
+        if pts:
+            ax.plot([p[0] for p in pts], [p[1] for p in pts], marker=marker, linestyle="-", label=f"ANCHOR {layers}")
+    for b, style in zip(baselines, ("--", ":")):
+        if not math.isnan(b.val_mean_nts):
+            ax.axhline(b.val_mean_nts, linestyle=style, color="grey", label=f"{b.config['method']} W2S")
+    ax.axhline(0, color="black", linewidth=0.5)
+    ax.set_xscale("log")
+    ax.set_xlabel(f"anchor lambda (lambda = 0 drawn at {zero_x:.0e})")
+    ax.set_ylabel("mean OOD NTS on validation splits (points)")
+    ax.set_title("NTS against lambda per layer choice (early-stopped trials at their last epoch)")
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    return path
+
+
+def outcomes_json(baselines: list[TrialOutcome], anchor: list[TrialOutcome], path: Path) -> Path:
+    rows = [{"search": "baselines", **o.__dict__} for o in baselines] + [{"search": "anchor", **o.__dict__} for o in anchor]
+    path.write_text(json.dumps(rows, indent=2, default=str))
+    return path

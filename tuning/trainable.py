@@ -1,0 +1,180 @@
+"""One Tune trial = one Ray Train `TorchTrainer` (N workers, DDP: gloo on CPU, nccl on GPU) running the
+library's training loop. The Ray 2.60 pattern: a Tune function builds and fits the TorchTrainer, and
+`TuneReportCallback` carries each epoch's validation metrics from the workers to Tune (and ASHA).
+
+Each trial is an MLflow child run of the tune experiment's parent run. Rank 0 logs per-step losses and
+per-epoch validation metrics to it; the run id lives in the trial's config, so a worker restarted from a
+checkpoint keeps writing to the same run instead of opening a duplicate.
+"""
+
+from __future__ import annotations
+
+import tempfile
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from anchor_rm.config import ProtocolConfig
+from anchor_rm.splits import ProtocolSplits
+from tuning.space import METRIC, trial_method_config
+
+TRAINING_STATE = "training_state.pt"
+
+
+@dataclass
+class SharedPayload:
+    """Everything trials share, computed once by the driver and handed out through the object store."""
+
+    cfg: ProtocolConfig
+    splits: ProtocolSplits
+    soft_labels: list[float]
+    teacher_val: dict  # dataset -> SplitScore dict, the teacher's validation accuracies (for NTS)
+    tracking_uri: str
+    experiment_id: str
+    parent_run_id: str
+    storage_path: str  # the experiment's folder: Tune state and Train checkpoints live under it
+    num_workers: int = 1
+    cpus_per_worker: float = 1.0  # logical CPUs Ray reserves for each worker
+    threads_per_worker: int = 1  # torch threads in each worker
+    use_gpu: bool = False
+    max_failures: int = 2
+    tags: dict = field(default_factory=dict)  # links to the data/teacher/ceiling stage runs
+
+
+def _train_config(payload: SharedPayload, config: dict):
+    from anchor_rm.training import TrainConfig
+
+    return TrainConfig(**{**payload.cfg.student_train.to_dict(), **trial_method_config(config)})
+
+
+class _MlflowLogger:
+    """Rank 0's writer to the trial's run: batched, so a remote tracking server sees few requests."""
+
+    def __init__(self, tracking_uri: str, run_id: str, active: bool):
+        from mlflow.tracking import MlflowClient
+
+        self.client = MlflowClient(tracking_uri) if active else None
+        self.run_id = run_id
+        self.pending = []
+
+    def add(self, metrics: dict[str, float], step: int) -> None:
+        if self.client is None:
+            return
+        from mlflow.entities import Metric
+
+        now = int(time.time() * 1000)
+        self.pending += [Metric(key, float(value), now, step) for key, value in metrics.items()]
+        if len(self.pending) >= 200:
+            self.flush()
+
+    def flush(self) -> None:
+        if self.client is not None and self.pending:
+            for start in range(0, len(self.pending), 1000):  # MLflow's log_batch limit
+                self.client.log_batch(self.run_id, metrics=self.pending[start : start + 1000])
+            self.pending = []
+
+
+def train_loop_per_worker(config: dict) -> None:
+    """Ray Train's per-worker function: build the student, resume from the latest checkpoint if any, train,
+    and after each epoch evaluate on the validation splits (rank 0), checkpoint and report."""
+    import ray.train
+    import ray.train.torch
+
+    from anchor_rm.experiment import validation_metrics
+    from anchor_rm.workflow import (evaluate_model, frozen_reference, load_pretrained, load_saved, save_reward_model,
+                                    scores_from_dict, train_on_pairs)
+
+    payload: SharedPayload = config["payload"]
+    torch.set_num_threads(payload.threads_per_worker)
+    cfg = payload.cfg
+    train_cfg = _train_config(payload, config)
+    context = ray.train.get_context()
+    rank = context.get_world_rank()
+    device = ray.train.torch.get_device()
+
+    start_epoch, optimizer_state = 0, None
+    checkpoint = ray.train.get_checkpoint()
+    if checkpoint is None:
+        rm = load_pretrained(cfg.student, train_cfg.max_length, train_cfg.seed)
+    else:  # a restarted worker or a resumed experiment: continue after the last finished epoch
+        with checkpoint.as_directory() as folder:
+            rm = load_saved(folder)
+            state = torch.load(Path(folder) / TRAINING_STATE, weights_only=False)
+        start_epoch, optimizer_state = state["epoch"] + 1, state["optimizer_state"]
+    rm.model.to(device).train()
+    reference = frozen_reference(cfg.student).to(device) if train_cfg.uses_anchor else None
+    logger = _MlflowLogger(payload.tracking_uri, config["mlflow_run_id"], active=rank == 0)
+    if start_epoch and rank == 0:
+        logger.client.set_tag(config["mlflow_run_id"], "anchor_rm.resumed_from_epoch", str(start_epoch - 1))
+    teacher_val = scores_from_dict(payload.teacher_val)
+
+    def on_step(entry) -> None:
+        logger.add({"train/loss": entry.loss, "train/w2s_loss": entry.w2s_loss,
+                    "train/anchor_loss": entry.anchor_loss, "train/lr": entry.learning_rate}, entry.step)
+
+    def on_epoch_end(epoch: int, model, opt_state: dict) -> dict:
+        metrics = {}
+        with tempfile.TemporaryDirectory() as tmp:
+            if rank == 0:
+                scores = evaluate_model(rm, payload.splits, "val", cfg.eval_batch_size)
+                metrics = validation_metrics(payload.splits.source, teacher_val, scores)
+                logger.add(metrics, epoch)
+                logger.flush()
+                save_reward_model(rm, tmp, {"method": train_cfg.method, "teacher": cfg.teacher})
+                torch.save({"epoch": epoch, "optimizer_state": opt_state}, Path(tmp) / TRAINING_STATE)
+            tune_metrics = {METRIC: metrics.get("val/mean_nts", 0.0), "val_wrg": metrics.get("val/wrg", 0.0),
+                            "val_id_acc": metrics.get(f"val/acc/{payload.splits.source}", 0.0), "epoch": epoch}
+            ray.train.report(tune_metrics, checkpoint=ray.train.Checkpoint.from_directory(tmp) if rank == 0 else None)
+        return metrics
+
+    train_on_pairs(rm, payload.splits.student_train, payload.soft_labels, train_cfg, reference=reference,
+                   on_step=on_step, on_epoch_end=on_epoch_end, start_epoch=start_epoch, optimizer_state=optimizer_state)
+    logger.flush()
+
+
+def trial_driver(config: dict, payload: SharedPayload) -> None:
+    """The Tune function of one trial: open (or find again) its MLflow child run, then build and fit a
+    TorchTrainer whose workers run `train_loop_per_worker`."""
+    import ray.train
+    import ray.tune
+    from ray.train.torch import TorchTrainer
+    from ray.tune.integration.ray_train import TuneReportCallback
+
+    from tuning.callbacks import child_run_for_trial
+
+    context = ray.tune.get_context()
+    trial_id, trial_name = context.get_trial_id(), context.get_trial_name()
+    train_cfg = _train_config(payload, config)
+    run_id = child_run_for_trial(payload, trial_id, trial_name, train_cfg)
+    trainer = TorchTrainer(
+        train_loop_per_worker,
+        train_loop_config={**config, "payload": payload, "mlflow_run_id": run_id},
+        scaling_config=ray.train.ScalingConfig(
+            num_workers=payload.num_workers, use_gpu=payload.use_gpu,
+            resources_per_worker={"CPU": payload.cpus_per_worker, **({"GPU": 1} if payload.use_gpu else {})},
+        ),
+        run_config=ray.train.RunConfig(
+            # Named after the trial: a resumed Tune experiment restarts this Train run from its checkpoint.
+            name=f"train-{trial_id}",
+            storage_path=str(Path(payload.storage_path) / "train"),
+            failure_config=ray.train.FailureConfig(max_failures=payload.max_failures),
+            checkpoint_config=ray.train.CheckpointConfig(num_to_keep=1),
+            callbacks=[TuneReportCallback()],
+        ),
+    )
+    trainer.fit()
+
+
+# The Tune function only builds and watches the TorchTrainer; Ray rejects a zero request, so it holds a sliver.
+DRIVER_CPU = 0.01
+
+
+def worker_resources(total_cpus: float, concurrency: int, num_workers: int) -> tuple[float, int]:
+    """(logical CPUs per worker, torch threads per worker) so that `concurrency` trials fit the cluster."""
+    per_trial = total_cpus / concurrency
+    logical = round((per_trial - DRIVER_CPU) / num_workers, 2)
+    if logical <= 0:
+        raise ValueError(f"{total_cpus} CPUs cannot hold {concurrency} concurrent trials of {num_workers} workers")
+    return logical, max(1, int(per_trial // num_workers))
