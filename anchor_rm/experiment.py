@@ -27,8 +27,8 @@ from anchor_rm.workflow import (
     RewardModel,
     evaluate_model,
     evaluation_sets,
-    frozen_reference,
     load_pretrained,
+    reference_states,
     save_reward_model,
     scores_from_dict,
     scores_to_dict,
@@ -197,7 +197,11 @@ def train_student(cfg: ProtocolConfig, shared: SharedStages, train_cfg: TrainCon
     """Trains one student on the teacher's soft labels inside the active MLflow run, logging per-step losses
     and per-epoch validation metrics. Returns the model and the per-epoch validation metrics."""
     rm = load_pretrained(cfg.student, train_cfg.max_length, train_cfg.seed)
-    reference = frozen_reference(cfg.student) if train_cfg.uses_anchor else None
+    reference = None
+    if train_cfg.uses_anchor:
+        reference = reference_states(cfg.student, rm, shared.splits.student_train, [train_cfg.anchor_layers],
+                                     bf16=train_cfg.bf16, batch_size=cfg.eval_batch_size)
+        mlflow.log_metric("reference_cache/megabytes", reference.nbytes() / 1e6)
     history: list[dict] = []
 
     def on_epoch_end(epoch: int, model, optimizer_state: dict) -> dict:

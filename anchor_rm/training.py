@@ -28,6 +28,7 @@ from anchor_rm.losses import (
     resolve_anchor_layers,
     soft_bradley_terry_loss,
 )
+from anchor_rm.reference_cache import ReferenceStates, encoded_digest
 from anchor_rm.scoring import EncodedPairs, reward_forward
 
 METHODS = ("naive", "confidence", "anchor", "gold")
@@ -134,7 +135,7 @@ def train_reward_model(
     target_probs: Sequence[float],
     config: TrainConfig,
     *,
-    reference: torch.nn.Module | None = None,
+    reference: torch.nn.Module | ReferenceStates | None = None,
     pad_token_id: int,
     on_step: Callable[[StepLog], None] | None = None,
     on_epoch_end: Callable[[int, torch.nn.Module, dict], dict | None] | None = None,
@@ -143,7 +144,8 @@ def train_reward_model(
 ) -> TrainResult:
     """Trains `model` in place on encoded pairs with per-pair targets q (probability chosen > rejected).
 
-    `reference` is the frozen pretrained copy, needed when config.uses_anchor. `on_epoch_end(epoch, model,
+    `reference` is the frozen pretrained copy, needed when config.uses_anchor: the model itself (one extra
+    forward pass per step) or its states precomputed on these pairs (reference_cache). `on_epoch_end(epoch, model,
     optimizer_state)` runs on every rank after each epoch (evaluate, checkpoint, report) and may return
     metrics to keep. `start_epoch` and `optimizer_state` resume an interrupted run from a checkpoint.
     """
@@ -164,7 +166,10 @@ def train_reward_model(
         device = next(core.parameters()).device
         model = torch.nn.parallel.DistributedDataParallel(model, device_ids=[device.index] if device.type == "cuda" else None)
     layers = resolve_anchor_layers(config.anchor_layers, core.config.num_hidden_layers) if config.uses_anchor else []
-    if reference is not None:
+    if isinstance(reference, ReferenceStates):
+        if reference.digest != encoded_digest(train):
+            raise ValueError("the reference cache was computed on other token sequences than these training pairs")
+    elif reference is not None:
         reference.eval().requires_grad_(False)
 
     targets = torch.tensor(list(target_probs), dtype=torch.float32)
@@ -235,13 +240,13 @@ def _train_step(model, core, reference, train, targets, indices, layers, config,
         w2s = soft_bradley_terry_loss(margin, q)
     anchor = torch.zeros((), dtype=w2s.dtype, device=device)
     if layers:
-        with torch.no_grad(), torch.autocast(_device_type(core), dtype=torch.bfloat16, enabled=config.bf16):
-            reference_out = reward_forward(reference, batch, output_hidden_states=True)
-        anchor = anchor_loss(
-            [outputs.hidden_states[i].float() for i in layers],
-            [reference_out.hidden_states[i].float() for i in layers],
-            batch["response_mask"],
-        )
+        if isinstance(reference, ReferenceStates):
+            reference_states = reference.batch(indices, layers, batch["response_mask"])
+        else:
+            with torch.no_grad(), torch.autocast(_device_type(core), dtype=torch.bfloat16, enabled=config.bf16):
+                reference_out = reward_forward(reference, batch, output_hidden_states=True)
+            reference_states = [reference_out.hidden_states[i].float() for i in layers]
+        anchor = anchor_loss([outputs.hidden_states[i].float() for i in layers], reference_states, batch["response_mask"])
     loss = w2s + config.anchor_lambda * anchor if layers else w2s
     loss.backward()
     if config.max_grad_norm:

@@ -14,6 +14,8 @@ import torch
 
 from anchor_rm.data import PreferencePair
 from anchor_rm.encoding import RewardEncoder
+from anchor_rm.losses import resolve_anchor_layers
+from anchor_rm.reference_cache import ReferenceStates, compute_reference_states
 from anchor_rm.metrics import pairwise_accuracy, tie_rate
 from anchor_rm.models import ModelSource, is_decoder, load_reward_model, load_tokenizer, resolve_model
 from anchor_rm.report import SplitResult
@@ -55,6 +57,17 @@ def frozen_reference(name: str) -> torch.nn.Module:
     return model.eval().requires_grad_(False)
 
 
+def reference_states(student_name: str, rm: RewardModel, pairs: Sequence[PreferencePair],
+                     layer_choices: Sequence[str], *, bf16: bool, batch_size: int = 32) -> ReferenceStates:
+    """The frozen reference's response-token states at every layer any of `layer_choices` anchors,
+    on `pairs` as `rm` encodes them: computed once, then shared by every epoch (and every Tune trial)."""
+    reference = frozen_reference(student_name)
+    depth = rm.model.config.num_hidden_layers
+    layers = sorted({layer for choice in layer_choices for layer in resolve_anchor_layers(choice, depth)})
+    return compute_reference_states(reference, rm.encode(pairs), layers, rm.encoder.pad_token_id,
+                                    batch_size=batch_size, bf16=bf16)
+
+
 def save_reward_model(rm: RewardModel, folder: str | Path, extra: dict | None = None) -> Path:
     """A standard transformers checkpoint plus anchor_rm.json (max length), loadable by `load_saved`."""
     folder = Path(folder)
@@ -83,7 +96,7 @@ def train_on_pairs(
     target_probs: Sequence[float] | None,
     config: TrainConfig,
     *,
-    reference: torch.nn.Module | None = None,
+    reference: torch.nn.Module | ReferenceStates | None = None,
     on_step: Callable[[StepLog], None] | None = None,
     on_epoch_end: Callable[[int, torch.nn.Module, dict], dict | None] | None = None,
     start_epoch: int = 0,

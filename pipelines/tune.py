@@ -97,9 +97,22 @@ def parent_run(experiment_id: str, name: str, resume: bool) -> str:
     return run.info.run_id
 
 
+def use_cluster_token(address: str | None) -> None:
+    """`ray start` clusters use token authentication (Ray >= 2.59), and a client sends its token only in
+    token mode, which Ray reads when it is imported. Where a token is at hand (RAY_AUTH_TOKEN,
+    RAY_AUTH_TOKEN_PATH or ~/.ray/auth_token, which `ray start` writes), use it."""
+    import os
+
+    at_hand = ("RAY_AUTH_TOKEN" in os.environ or "RAY_AUTH_TOKEN_PATH" in os.environ
+               or Path("~/.ray/auth_token").expanduser().exists())
+    if address and at_hand and "RAY_AUTH_MODE" not in os.environ and "ray" not in sys.modules:
+        os.environ["RAY_AUTH_MODE"] = "token"
+
+
 def main(argv=None) -> int:
     args = build_parser().parse_args(argv)
     setup_logging(args.verbose)
+    use_cluster_token(args.ray_address)
     with clean_errors():
         return run(args)
 
@@ -152,6 +165,7 @@ def run(args) -> int:
             cpus_per_worker=cpus_per_worker, threads_per_worker=threads_per_worker,
             use_gpu=use_gpu, tags=shared.tags(),
         )
+        payload.reference_states = shared_reference_states(cfg, shared)
         search_started = time.perf_counter()
         baselines, anchor = run_search(payload, num_samples=args.num_samples or cfg_num_samples(args),
                                        concurrency=args.concurrency, resume=args.resume, seed=args.seed)
@@ -196,6 +210,23 @@ def run(args) -> int:
     print(f"promote: python pipelines/promote.py --name {version.name} --version {version.version}")
     print(f"browse:  mlflow ui --backend-store-uri {tracking_uri}")
     return 0
+
+
+def shared_reference_states(cfg, shared):
+    """The frozen reference's states for every layer choice the search may pick, put in Ray's object store."""
+    import ray
+
+    from anchor_rm.workflow import load_pretrained, reference_states
+    from tuning.space import LAYER_CHOICES
+
+    started = time.perf_counter()
+    train_cfg = cfg.student_train
+    rm = load_pretrained(cfg.student, train_cfg.max_length, train_cfg.seed)
+    states = reference_states(cfg.student, rm, shared.splits.student_train, LAYER_CHOICES, bf16=train_cfg.bf16,
+                              batch_size=cfg.eval_batch_size)
+    log.info("reference states for layers %s: %.0f MB in %.0f s", states.layers, states.nbytes() / 1e6,
+             time.perf_counter() - started)
+    return ray.put(states)
 
 
 def cfg_num_samples(args) -> int:

@@ -71,3 +71,54 @@ def test_config_validation_names_the_field():
         TrainConfig(anchor_lambda=-1)
     with pytest.raises(ValueError, match="batch_size"):
         TrainConfig(batch_size=0)
+
+
+def test_cached_reference_states_give_the_uncached_anchor_loss(tiny_bert, minilm_tokenizer):
+    from anchor_rm.encoding import collate
+    from anchor_rm.losses import anchor_loss
+    from anchor_rm.reference_cache import compute_reference_states
+    from anchor_rm.scoring import reward_forward
+
+    enc = RewardEncoder(minilm_tokenizer, 32, decoder=False)
+    encoded = encode_pairs(enc, _pairs())
+    reference = tiny_bert(0).eval()
+    cache = compute_reference_states(reference, encoded, [1, 2], minilm_tokenizer.pad_token_id, batch_size=5, bf16=False)
+    student = tiny_bert(0)
+    with torch.no_grad():  # a student that has drifted from the reference
+        for p in student.parameters():
+            p.add_(0.05 * torch.randn_like(p))
+    for indices in ([0, 1, 2, 3], [7, 30, 11], list(range(40, 48))):
+        batch = collate([encoded.chosen[i] for i in indices] + [encoded.rejected[i] for i in indices],
+                        minilm_tokenizer.pad_token_id)
+        with torch.no_grad():
+            s = reward_forward(student, batch, output_hidden_states=True).hidden_states
+            r = reward_forward(reference, batch, output_hidden_states=True).hidden_states
+        uncached = anchor_loss([s[1], s[2]], [r[1], r[2]], batch["response_mask"]).item()
+        cached = anchor_loss([s[1], s[2]], cache.batch(indices, [1, 2], batch["response_mask"]), batch["response_mask"]).item()
+        assert uncached > 0
+        assert cached == pytest.approx(uncached, rel=1e-3)  # fp16 storage is the only difference
+
+
+def test_training_with_the_cache_starts_at_zero_anchor_loss(tiny_bert, minilm_tokenizer):
+    from anchor_rm.reference_cache import compute_reference_states
+
+    enc = RewardEncoder(minilm_tokenizer, 32, decoder=False)
+    encoded = encode_pairs(enc, _pairs())
+    cache = compute_reference_states(tiny_bert(0), encoded, [2], minilm_tokenizer.pad_token_id, bf16=False)
+    config = TrainConfig(method="anchor", anchor_lambda=0.5, epochs=2, batch_size=8, learning_rate=1e-3, bf16=False)
+    logs = []
+    train_reward_model(tiny_bert(0), encoded, [0.9] * len(encoded), config, reference=cache,
+                       pad_token_id=minilm_tokenizer.pad_token_id, on_step=logs.append)
+    assert logs[0].anchor_loss == pytest.approx(0.0, abs=1e-6) and logs[-1].anchor_loss > 1e-4
+
+
+def test_a_cache_of_other_pairs_is_refused(tiny_bert, minilm_tokenizer):
+    from anchor_rm.reference_cache import compute_reference_states
+
+    enc = RewardEncoder(minilm_tokenizer, 32, decoder=False)
+    encoded = encode_pairs(enc, _pairs())
+    other = encode_pairs(enc, _pairs(40))
+    states = compute_reference_states(tiny_bert(0), other, [2], minilm_tokenizer.pad_token_id, bf16=False)
+    with pytest.raises(ValueError, match="other token sequences"):
+        train_reward_model(tiny_bert(0), encoded, [0.9] * len(encoded), TrainConfig(method="anchor", bf16=False),
+                           reference=states, pad_token_id=minilm_tokenizer.pad_token_id)

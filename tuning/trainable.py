@@ -41,6 +41,7 @@ class SharedPayload:
     use_gpu: bool = False
     max_failures: int = 2
     tags: dict = field(default_factory=dict)  # links to the data/teacher/ceiling stage runs
+    reference_states: object = None  # ObjectRef of the frozen reference's states on student-train (all layer choices)
 
 
 def _train_config(payload: SharedPayload, config: dict):
@@ -83,8 +84,8 @@ def train_loop_per_worker(config: dict) -> None:
     import ray.train.torch
 
     from anchor_rm.experiment import validation_metrics
-    from anchor_rm.workflow import (evaluate_model, frozen_reference, load_pretrained, load_saved, save_reward_model,
-                                    scores_from_dict, train_on_pairs)
+    from anchor_rm.workflow import (evaluate_model, load_pretrained, load_saved, save_reward_model, scores_from_dict,
+                                    train_on_pairs)
 
     payload: SharedPayload = config["payload"]
     torch.set_num_threads(payload.threads_per_worker)
@@ -104,7 +105,8 @@ def train_loop_per_worker(config: dict) -> None:
             state = torch.load(Path(folder) / TRAINING_STATE, weights_only=False)
         start_epoch, optimizer_state = state["epoch"] + 1, state["optimizer_state"]
     rm.model.to(device).train()
-    reference = frozen_reference(cfg.student).to(device) if train_cfg.uses_anchor else None
+    # The frozen reference's states: computed once by the driver, shared by every trial via the object store.
+    reference = ray.get(payload.reference_states) if train_cfg.uses_anchor else None
     logger = _MlflowLogger(payload.tracking_uri, config["mlflow_run_id"], active=rank == 0)
     if start_epoch and rank == 0:
         logger.client.set_tag(config["mlflow_run_id"], "anchor_rm.resumed_from_epoch", str(start_epoch - 1))
