@@ -205,6 +205,8 @@ def run(args) -> int:
     print(comparison_table(reports))
     total = time.perf_counter() - started
     print(f"\nregistered: {version.model_uri} (alias challenger), run {version.run_id}")
+    print(f"report:     runs:/{version.run_id}/report/report.md (and report.json, report.png, comparison.md, "
+          f"nts_vs_lambda.png)")
     print(f"wall time {total:.0f} s: shared stages {shared_seconds:.0f} s, search {search_seconds:.0f} s "
           f"({len(baselines) + len(anchor)} trials), final evaluation and registration {total - shared_seconds - search_seconds:.0f} s")
     print(f"promote: python pipelines/promote.py --name {version.name} --version {version.version}")
