@@ -40,7 +40,8 @@ def test_smoke_run_is_fully_recorded_on_a_tracking_server(tmp_path):
         assert student.data.tags["anchor_rm.data_run"] == stages["data"][0].info.run_id
         assert student.data.params["train.method"] == "anchor" and student.data.params["train.anchor_lambda"] == "0.01"
         history = client.get_metric_history(student.info.run_id, "train/anchor_loss")
-        assert len(history) >= 6 and history[0].value == 0.0  # per step, and zero at step 0
+        # per step, and zero at step 0 up to the fp16 rounding of the cached reference states
+        assert len(history) >= 6 and abs(history[0].value) < 1e-5
         for key in ("val/mean_nts", "test/mean_nts", "test/wrg", "test/id_acc", "test/pgr"):
             assert key in student.data.metrics, key
         artifacts = {f.path for f in client.list_artifacts(student.info.run_id)}

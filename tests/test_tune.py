@@ -26,7 +26,7 @@ def test_tune_smoke_on_a_ray_cluster_and_tracking_server_then_promote_and_load(t
 
         client = MlflowClient(uri)
         version = client.get_model_version_by_alias(NAME, "challenger")
-        assert version.version == "1"
+        assert str(version.version) == "1"
         for tag in ("mean_nts", "wrg", "id_accuracy", "test_splits_digest", "selection_splits"):
             assert tag in version.tags, tag
         assert version.tags["selection_splits"] == "val" and version.tags["figure_splits"] == "test"
@@ -52,7 +52,7 @@ def test_tune_smoke_on_a_ray_cluster_and_tracking_server_then_promote_and_load(t
         promoted = run_pipeline("promote.py", "--name", NAME, "--max-id-drop", "100", "--tracking-uri", uri,
                                 cwd=tmp_path, timeout=300)
         assert promoted.returncode == 0, promoted.stdout + promoted.stderr
-        assert client.get_model_version_by_alias(NAME, "champion").version == "1"
+        assert str(client.get_model_version_by_alias(NAME, "champion").version) == "1"
 
         mlflow.set_tracking_uri(uri)
         model = mlflow.pyfunc.load_model(f"models:/{NAME}@champion")
