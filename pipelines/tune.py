@@ -85,7 +85,6 @@ def experiment_name(args, storage: Path) -> str:
 
 
 def parent_run(experiment_id: str, name: str, resume: bool) -> str:
-    import mlflow
     from mlflow.tracking import MlflowClient
 
     client = MlflowClient()

@@ -1,7 +1,6 @@
 """The main job end to end on real components: `ray start --head`, `mlflow server`, tune.py, promote.py,
 and the champion loaded back through `models:/NAME@champion`."""
 
-import json
 
 import pandas as pd
 import pytest

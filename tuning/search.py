@@ -18,7 +18,7 @@ import ray
 from ray import tune
 
 from tuning.callbacks import MlflowTrialStatus, ProgressLog
-from tuning.space import METRIC, MODE, make_scheduler, make_searcher
+from tuning.space import METRIC, make_scheduler, make_searcher
 from tuning.trainable import DRIVER_CPU, SharedPayload, trial_driver
 
 log = logging.getLogger("anchor_rm")
