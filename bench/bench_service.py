@@ -1,0 +1,296 @@
+"""Throughput and latency of the reward service (not a test).
+
+Registers a reward model in a temporary MLflow store, starts a real `bentoml serve` on 127.0.0.1 with
+adaptive batching on, then off (ANCHOR_RM_BATCHING=0), and drives /score with 1, 8 and 32 concurrent
+clients for a fixed time each; then scores the same pairs one at a time in a plain transformers loop
+(tokenizer + AutoModelForSequenceClassification, no service). Prints a Markdown table for docs/benchmarks.md.
+
+    .venv/bin/python bench/bench_service.py                       # MiniLM-L6, max length 192, 15 s per cell
+    .venv/bin/python bench/bench_service.py --seconds 5 --model tiny --concurrency 1,8
+
+Pairs are (prompt, chosen) and (prompt, rejected) of the shipped HH helpful-base test split: long
+multi-turn prompts, truncated from the left to the model's max length as evaluation does. The clients run on
+the same machine as the server and take some of its CPU.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import signal
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+import urllib.request
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+NAME = "anchor-rm-helpful"
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--model", default="minilm-l6", help="minilm-l6 (pretrained MiniLM-L6, fresh reward head) "
+                                                            "or tiny (a 2-layer 32-wide random BERT)")
+    parser.add_argument("--max-length", type=int, default=192, help="tokens per pair (the tune preset's)")
+    parser.add_argument("--seconds", type=float, default=15.0, help="measured time per cell")
+    parser.add_argument("--concurrency", default="1,8,32", help="comma-separated client counts")
+    parser.add_argument("--pairs-per-request", type=int, default=1)
+    parser.add_argument("--max-batch-size", type=int, default=32, help="ANCHOR_RM_MAX_BATCH_SIZE when batching")
+    parser.add_argument("--skip", default="", help="comma-separated parts to skip: batching,no-batching,loop")
+    parser.add_argument("--out", help="also write the figures as JSON here")
+    return parser.parse_args(argv)
+
+
+# ---------------------------------------------------------------------------------------------------
+# Setup: a registered model and the pairs to score.
+
+def register_model(args, workdir: Path) -> Path:
+    import mlflow
+    from mlflow.tracking import MlflowClient
+
+    from anchor_rm import registry
+    from anchor_rm.encoding import RewardEncoder
+    from anchor_rm.report import SplitResult, build_report
+    from anchor_rm.tracking import configure
+    from anchor_rm.workflow import RewardModel, load_pretrained, save_reward_model
+
+    configure(f"sqlite:///{workdir / 'mlflow.db'}", "bench-service")
+    if args.model == "tiny":
+        import torch
+        from transformers import BertConfig, BertForSequenceClassification
+
+        from anchor_rm.models import load_tokenizer, resolve_model
+
+        tokenizer = load_tokenizer(resolve_model("minilm-l6"))
+        torch.manual_seed(0)
+        config = BertConfig(vocab_size=tokenizer.vocab_size, hidden_size=32, num_hidden_layers=2, num_attention_heads=2,
+                            intermediate_size=64, num_labels=1, pad_token_id=tokenizer.pad_token_id)
+        rm = RewardModel(BertForSequenceClassification(config).eval(), tokenizer,
+                         RewardEncoder(tokenizer, args.max_length, decoder=False), "tiny-bert")
+    else:
+        rm = load_pretrained(args.model, args.max_length, seed=0)
+    folder = save_reward_model(rm, workdir / "model")
+    rows = [SplitResult("hh-helpful-base", "id", "test", 470, 60.0, 60.0, None, 0.0),
+            SplitResult("pandalm", "ood", "test", 300, 50.0, 50.0, None, 0.0)]
+    report = build_report({"name": NAME, "student": args.model, "teacher": "none", "method": "benchmark",
+                           "hyperparameters": {}}, rows, selection_splits="val", figure_splits="test",
+                          data_digests={"hh-helpful-base/id_test": "0" * 64, "pandalm/test": "1" * 64})
+    with mlflow.start_run():
+        version = registry.log_and_register(folder, report, NAME).version
+    MlflowClient().set_registered_model_alias(NAME, "champion", version)
+    return folder
+
+
+def load_pairs(limit: int = 400) -> list[tuple[str, str]]:
+    from anchor_rm.catalog import load_dataset_pairs
+    from anchor_rm.splits import clean_pairs
+
+    pairs = []
+    for pair in clean_pairs(load_dataset_pairs("hh-helpful-base"))[0]:  # no empty responses: those get a 400
+        pairs += [(pair.prompt, pair.chosen), (pair.prompt, pair.rejected)]
+        if len(pairs) >= limit:
+            break
+    return pairs
+
+
+# ---------------------------------------------------------------------------------------------------
+# Measuring.
+
+def summarise(latencies: list[float], pairs: int, elapsed: float, errors: int) -> dict:
+    ordered = sorted(latencies)
+
+    def pct(q):
+        return 1000 * ordered[min(len(ordered) - 1, int(q * len(ordered)))] if ordered else float("nan")
+
+    return {"pairs_per_s": pairs / elapsed, "p50_ms": pct(0.50), "p99_ms": pct(0.99), "requests": len(latencies),
+            "errors": errors, "seconds": elapsed}
+
+
+def drive(url: str, pairs: list[tuple[str, str]], concurrency: int, seconds: float, per_request: int) -> dict:
+    import httpx
+
+    latencies: list[float] = []
+    errors = [0]
+    lock = threading.Lock()
+    start_barrier = threading.Barrier(concurrency + 1)
+    deadline = [0.0]
+
+    def client(worker: int):
+        local, failed, i = [], 0, worker * 7
+        with httpx.Client(base_url=url, timeout=300) as http:
+            start_barrier.wait()
+            while time.perf_counter() < deadline[0]:
+                items = [{"prompt": p, "response": r} for p, r in
+                         (pairs[(i + k) % len(pairs)] for k in range(per_request))]
+                i += per_request
+                t0 = time.perf_counter()
+                response = http.post("/score", json={"items": items})
+                if response.status_code == 200:
+                    local.append(time.perf_counter() - t0)
+                else:
+                    failed += 1
+        with lock:
+            latencies.extend(local)
+            errors[0] += failed
+
+    threads = [threading.Thread(target=client, args=(w,)) for w in range(concurrency)]
+    for t in threads:
+        t.start()
+    begin = time.perf_counter()
+    deadline[0] = begin + seconds
+    start_barrier.wait()
+    for t in threads:
+        t.join()
+    elapsed = time.perf_counter() - begin  # includes the requests that finish after the deadline
+    return summarise(latencies, len(latencies) * per_request, elapsed, errors[0])
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def serve(workdir: Path, batching: bool, max_batch_size: int) -> tuple[subprocess.Popen, str]:
+    port = free_port()
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("ANCHOR_RM_", "BENTOML_", "MLFLOW_"))}
+    env.update({"MLFLOW_TRACKING_URI": f"sqlite:///{workdir / 'mlflow.db'}", "BENTOML_HOME": str(workdir / "bentoml"),
+                "BENTOML_DO_NOT_TRACK": "true", "ANCHOR_RM_POLL_SECONDS": "0",
+                "ANCHOR_RM_BATCHING": "1" if batching else "0", "ANCHOR_RM_MAX_BATCH_SIZE": str(max_batch_size),
+                "ANCHOR_RM_DOWNLOAD_DIR": str(workdir / f"downloads-{int(batching)}")})
+    log = open(workdir / f"serve-{'batching' if batching else 'no-batching'}.log", "w")
+    bentoml = Path(sys.executable).parent / "bentoml"
+    proc = subprocess.Popen([str(bentoml), "serve", "service.service:RewardService", "--host", "127.0.0.1", "--port",
+                             str(port)], cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+    url = f"http://127.0.0.1:{port}"
+    deadline = time.time() + 300
+    while time.time() < deadline:
+        if proc.poll() is not None:
+            raise RuntimeError(f"bentoml serve exited with {proc.returncode}; see {log.name}")
+        try:
+            with urllib.request.urlopen(url + "/readyz", timeout=2) as r:
+                if r.status == 200:
+                    return proc, url
+        except OSError:
+            time.sleep(0.5)
+    proc.kill()
+    raise TimeoutError("bentoml serve did not become ready")
+
+
+def stop(proc: subprocess.Popen) -> None:
+    os.killpg(proc.pid, signal.SIGTERM)
+    try:
+        proc.wait(timeout=30)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+
+
+def plain_loop(folder: Path, pairs: list[tuple[str, str]], seconds: float, max_length: int) -> dict:
+    """One pair at a time through transformers: the tokenizer (prompt cut from the left) and the model."""
+    import torch
+    from transformers import AutoModelForSequenceClassification, AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(folder)
+    tokenizer.truncation_side = "left"
+    model = AutoModelForSequenceClassification.from_pretrained(folder).eval()
+    latencies, i = [], 0
+    with torch.inference_mode():
+        for prompt, response in pairs[:5]:  # warm-up
+            model(**tokenizer(prompt, response, truncation=True, max_length=max_length, return_tensors="pt"))
+        begin = time.perf_counter()
+        while time.perf_counter() - begin < seconds:
+            prompt, response = pairs[i % len(pairs)]
+            t0 = time.perf_counter()
+            model(**tokenizer(prompt, response, truncation=True, max_length=max_length, return_tensors="pt")).logits
+            latencies.append(time.perf_counter() - t0)
+            i += 1
+        elapsed = time.perf_counter() - begin
+    return summarise(latencies, len(latencies), elapsed, 0)
+
+
+def machine() -> str:
+    cpu = "unknown CPU"
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                cpu = line.split(":", 1)[1].strip()
+                break
+    except OSError:
+        pass
+    import bentoml
+    import torch
+
+    return (f"{os.cpu_count()} cores ({cpu}), no GPU, Python {platform.python_version()}, torch {torch.__version__} "
+            f"({torch.get_num_threads()} threads), bentoml {bentoml.__version__}")
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    concurrencies = [int(c) for c in args.concurrency.split(",") if c]
+    skip = set(filter(None, args.skip.split(",")))
+    workdir = Path(tempfile.mkdtemp(prefix="anchor-rm-bench-"))
+    print(f"workdir {workdir}", flush=True)
+    folder = register_model(args, workdir)
+    pairs = load_pairs()
+    from anchor_rm.workflow import load_saved
+
+    rm = load_saved(folder)
+    encoded = [rm.encoder.encode(p, r) for p, r in pairs]
+    tokens = statistics.mean(len(e.input_ids) for e in encoded)
+    truncated = sum(e.truncated for e in encoded) / len(encoded)
+    n_params = sum(p.numel() for p in rm.model.parameters())
+    del rm
+    results = {"command": "python bench/bench_service.py " + " ".join(sys.argv[1:] if argv is None else argv),
+               "machine": machine(), "model": f"{args.model} ({n_params / 1e6:.1f}M parameters), max length "
+               f"{args.max_length}", "data": f"{len(pairs)} HH helpful-base pairs, mean {tokens:.0f} tokens after "
+               f"truncation, {100 * truncated:.0f}% truncated", "pairs_per_request": args.pairs_per_request,
+               "seconds_per_cell": args.seconds, "cells": []}
+    for batching in (True, False):
+        label = "batching" if batching else "no-batching"
+        if label in skip:
+            continue
+        proc, url = serve(workdir, batching, args.max_batch_size)
+        try:
+            # Warm-up: BentoML's batching dispatcher fits its latency model on the first calls.
+            drive(url, pairs, 1, 3, args.pairs_per_request)
+            drive(url, pairs, 8, 3, args.pairs_per_request)
+            for c in concurrencies:
+                cell = drive(url, pairs, c, args.seconds, args.pairs_per_request)
+                cell.update({"setup": f"service, adaptive batching {'on' if batching else 'off'}", "concurrency": c})
+                results["cells"].append(cell)
+                print(json.dumps(cell), flush=True)
+        finally:
+            stop(proc)
+    if "loop" not in skip:
+        cell = plain_loop(folder, pairs, args.seconds, args.max_length)
+        cell.update({"setup": "plain transformers loop, one pair at a time", "concurrency": 1})
+        results["cells"].append(cell)
+        print(json.dumps(cell), flush=True)
+    print()
+    print(f"Command: `{results['command']}`  ")
+    print(f"Machine: {results['machine']}  ")
+    print(f"Model: {results['model']}; data: {results['data']}; {args.pairs_per_request} pair(s) per request, "
+          f"{args.seconds:g} s per cell.")
+    print()
+    print("| setup | clients | pairs/s | p50 ms | p99 ms | requests | errors |")
+    print("|---|---:|---:|---:|---:|---:|---:|")
+    for c in results["cells"]:
+        print(f"| {c['setup']} | {c['concurrency']} | {c['pairs_per_s']:.1f} | {c['p50_ms']:.1f} | {c['p99_ms']:.1f} | "
+              f"{c['requests']} | {c['errors']} |")
+    if args.out:
+        Path(args.out).write_text(json.dumps(results, indent=2))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,134 @@
+"""The service's settings: defaults, overridden by a TOML or JSON file named by ANCHOR_RM_CONFIG, overridden
+by ANCHOR_RM_* environment variables. The tracking and registry stores come from MLflow's own
+MLFLOW_TRACKING_URI / MLFLOW_REGISTRY_URI (unset: SQLite mlflow.db in the working directory).
+
+    variable                        default                              what
+    ANCHOR_RM_MODEL_URI             models:/anchor-rm-helpful@champion   registry URI (alias or version), runs:/ URI or folder
+    ANCHOR_RM_POLL_SECONDS          60                                   how often to check whether the alias moved; 0: never
+    ANCHOR_RM_API_KEY               (unset)                              when set, every endpoint but /livez /healthz /readyz needs it
+    ANCHOR_RM_HOST, ANCHOR_RM_PORT  127.0.0.1, 3000                      where `bentoml serve` binds unless --host/--port say otherwise
+    ANCHOR_RM_MAX_ITEMS             256                                  pairs per /score, queries per /get_reward
+    ANCHOR_RM_MAX_CANDIDATES        64                                   candidates per /best_of_n
+    ANCHOR_RM_MAX_TEXT_BYTES        32768                                UTF-8 bytes per prompt, response, candidate or query
+    ANCHOR_RM_MAX_BODY_BYTES        67108864                             bytes per request body
+    ANCHOR_RM_BATCHING              1                                    adaptive batching of the scoring method; 0: off
+    ANCHOR_RM_MAX_BATCH_SIZE        32                                   pairs per adaptive batch (at least 2)
+    ANCHOR_RM_MAX_LATENCY_MS        60000                                longest a queued pair may wait before a 503
+    ANCHOR_RM_TIMEOUT_SECONDS       300                                  per-request timeout
+    ANCHOR_RM_DOWNLOAD_DIR          (a new temporary folder)             where model versions are downloaded
+
+The file uses the same names in lower case without the prefix (model_uri = "...", poll_seconds = 30). The
+API key is read from the environment only: keep secrets out of files that get committed.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import tomllib
+from dataclasses import dataclass, field, fields
+from pathlib import Path
+from typing import Mapping
+
+from anchor_rm.serving import DEFAULT_MODEL_URI, ServingLimits
+
+PREFIX = "ANCHOR_RM_"
+CONFIG_VARIABLE = "ANCHOR_RM_CONFIG"
+
+
+class SettingsError(ValueError):
+    """A setting that cannot be used; the message names the variable (or file key) and what it expects."""
+
+
+@dataclass(frozen=True)
+class Settings:
+    model_uri: str = DEFAULT_MODEL_URI
+    poll_seconds: float = 60.0
+    api_key: str | None = field(default=None, repr=False)
+    host: str = "127.0.0.1"
+    port: int = 3000
+    max_items: int = 256
+    max_candidates: int = 64
+    max_text_bytes: int = 32768
+    max_body_bytes: int = 64 * 1024 * 1024
+    batching: bool = True
+    max_batch_size: int = 32
+    max_latency_ms: int = 60000
+    timeout_seconds: float = 300.0
+    download_dir: str | None = None
+
+    def limits(self) -> ServingLimits:
+        return ServingLimits(self.max_items, self.max_candidates, self.max_text_bytes)
+
+
+_POSITIVE_INTS = {"port", "max_items", "max_candidates", "max_text_bytes", "max_body_bytes", "max_batch_size",
+                  "max_latency_ms"}
+_FILE_ONLY_FORBIDDEN = {"api_key"}
+
+
+def _parse(name: str, source: str, raw: object) -> object:
+    if name in _POSITIVE_INTS:
+        try:
+            value = int(str(raw).strip())
+        except ValueError:
+            raise SettingsError(f"{source}={raw!r}: expected a positive whole number") from None
+        if value < 1:
+            raise SettingsError(f"{source}={raw!r}: expected a positive whole number")
+        return value
+    if name in ("poll_seconds", "timeout_seconds"):
+        try:
+            value = float(str(raw).strip())
+        except ValueError:
+            raise SettingsError(f"{source}={raw!r}: expected a number of seconds") from None
+        if value < 0 or (name == "timeout_seconds" and value == 0):
+            raise SettingsError(f"{source}={raw!r}: expected a {'positive' if name == 'timeout_seconds' else 'non-negative'} "
+                                "number of seconds")
+        return value
+    if name == "batching":
+        text = str(raw).strip().lower()
+        if text in ("1", "true", "yes", "on"):
+            return True
+        if text in ("0", "false", "no", "off"):
+            return False
+        raise SettingsError(f"{source}={raw!r}: expected 1 or 0 (true/false, on/off)")
+    text = str(raw).strip()
+    if name == "model_uri" and not text:
+        raise SettingsError(f"{source} is empty: name a model, e.g. {DEFAULT_MODEL_URI}")
+    return text or None
+
+
+def _read_file(path: str) -> dict:
+    file = Path(path).expanduser()
+    if not file.is_file():
+        raise SettingsError(f"{CONFIG_VARIABLE}={path!r}: no such file")
+    try:
+        data = tomllib.loads(file.read_text()) if file.suffix == ".toml" else json.loads(file.read_text())
+    except (tomllib.TOMLDecodeError, json.JSONDecodeError) as exc:
+        raise SettingsError(f"{CONFIG_VARIABLE}={path!r}: cannot parse ({exc}); use TOML (.toml) or JSON") from None
+    if not isinstance(data, dict):
+        raise SettingsError(f"{CONFIG_VARIABLE}={path!r}: expected a table of settings")
+    return data
+
+
+def load_settings(environ: Mapping[str, str] | None = None) -> Settings:
+    environ = os.environ if environ is None else environ
+    known = {f.name for f in fields(Settings)}
+    values: dict[str, object] = {}
+    if environ.get(CONFIG_VARIABLE):
+        path = environ[CONFIG_VARIABLE]
+        for key, raw in _read_file(path).items():
+            if key not in known:
+                raise SettingsError(f"{path}: unknown setting {key!r}; known: {', '.join(sorted(known - _FILE_ONLY_FORBIDDEN))}")
+            if key in _FILE_ONLY_FORBIDDEN:
+                raise SettingsError(f"{path}: {key} is read from {PREFIX}{key.upper()} only, never from a file")
+            values[key] = _parse(key, f"{path}: {key}", raw)
+    for name in known:
+        variable = PREFIX + name.upper()
+        if environ.get(variable) is not None and environ[variable] != "":
+            # The key is taken as given: its value never enters a message.
+            values[name] = environ[variable] if name == "api_key" else _parse(name, variable, environ[variable])
+    settings = Settings(**values)
+    if settings.batching and settings.max_batch_size < 2:
+        raise SettingsError(f"{PREFIX}MAX_BATCH_SIZE={settings.max_batch_size}: adaptive batching needs at least 2; "
+                            f"set {PREFIX}BATCHING=0 to turn it off")
+    return settings

@@ -1,0 +1,348 @@
+"""The reward service as users meet it: a real `bentoml serve` process on 127.0.0.1, serving the champion of
+a registry in a temporary SQLite store, called over HTTP. Scores must equal the library scorer's; bad input
+must get a 4xx that names the field and the limit, never a 5xx; moving the alias must reach the service
+(through /reload and through polling) without failing requests in flight."""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import random
+import subprocess
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import httpx
+import mlflow
+import numpy as np
+import pytest
+from mlflow.tracking import MlflowClient
+
+from anchor_rm import registry
+from anchor_rm.encoding import RewardEncoder
+from anchor_rm.report import SplitResult, build_report
+from anchor_rm.tracking import configure
+from anchor_rm.workflow import RewardModel, load_saved, save_reward_model
+from helpers import PYTHON, ROOT, free_port, wait_http
+
+pytestmark = pytest.mark.slow
+
+NAME = "anchor-rm-helpful"
+KEY = "test-key-7f3a9c"
+SECRET_TEXT = "ZEBRA-QUOKKA-4471"  # sent in bodies; must never reach the server log
+MAX_LENGTH = 48
+LIMITS = {"ANCHOR_RM_MAX_ITEMS": "8", "ANCHOR_RM_MAX_CANDIDATES": "4", "ANCHOR_RM_MAX_TEXT_BYTES": "4000",
+          "ANCHOR_RM_MAX_BODY_BYTES": "200000"}
+
+
+def _report(mean_ood: float):
+    rows = [SplitResult("hh-helpful-base", "id", "test", 470, 60.0, 61.0, None, 0.0),
+            SplitResult("pandalm", "ood", "test", 300, 50.0, mean_ood, None, 0.0)]
+    model = {"name": NAME, "student": "tiny-bert", "teacher": "tiny-teacher", "method": "anchor", "hyperparameters": {}}
+    return build_report(model, rows, selection_splits="val", figure_splits="test",
+                        data_digests={"hh-helpful-base/id_test": "a" * 64, "pandalm/test": "b" * 64})
+
+
+@pytest.fixture(scope="module")
+def store(tmp_path_factory, minilm_tokenizer):
+    """Two registered versions of tiny random BERTs (different seeds), champion on version 1."""
+    from transformers import BertConfig, BertForSequenceClassification
+    import torch
+
+    workdir = tmp_path_factory.mktemp("service")
+    before = mlflow.get_tracking_uri(), mlflow.get_registry_uri()
+    uri = f"sqlite:///{workdir / 'mlflow.db'}"
+    saved_env = {k: os.environ.pop(k, None) for k in ("MLFLOW_TRACKING_URI", "MLFLOW_REGISTRY_URI")}
+    configure(uri, "service-http-tests")
+    folders = {}
+    for seed in (0, 1):
+        torch.manual_seed(seed)
+        config = BertConfig(vocab_size=minilm_tokenizer.vocab_size, hidden_size=32, num_hidden_layers=2,
+                            num_attention_heads=2, intermediate_size=64, num_labels=1, hidden_dropout_prob=0.0,
+                            attention_probs_dropout_prob=0.0, pad_token_id=minilm_tokenizer.pad_token_id)
+        rm = RewardModel(BertForSequenceClassification(config), minilm_tokenizer,
+                         RewardEncoder(minilm_tokenizer, MAX_LENGTH, decoder=False), "tiny-bert")
+        folder = save_reward_model(rm, workdir / f"model{seed}")
+        with mlflow.start_run():
+            version = registry.log_and_register(folder, _report(54.0 + seed), NAME).version
+        folders[version] = folder
+    MlflowClient().set_registered_model_alias(NAME, "champion", "1")
+    scorers = {v: load_saved(f).scorer() for v, f in folders.items()}
+    yield {"uri": uri, "workdir": workdir, "scorers": scorers}
+    mlflow.set_tracking_uri(before[0])
+    mlflow.set_registry_uri(before[1])
+    for k, v in saved_env.items():
+        if v is not None:
+            os.environ[k] = v
+
+
+@pytest.fixture(scope="module")
+def server(store):
+    """`bentoml serve` without --host: the service's own default must bind 127.0.0.1."""
+    workdir = store["workdir"]
+    port = free_port()
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("ANCHOR_RM_", "BENTOML_", "MLFLOW_"))}
+    env.update({"MLFLOW_TRACKING_URI": store["uri"], "BENTOML_HOME": str(workdir / "bentoml"), "BENTOML_DO_NOT_TRACK": "true",
+                "ANCHOR_RM_API_KEY": KEY, "ANCHOR_RM_POLL_SECONDS": "2", "ANCHOR_RM_DOWNLOAD_DIR": str(workdir / "downloads"),
+                "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false", **LIMITS})
+    log_path = workdir / "bentoml-serve.log"
+    log = open(log_path, "w")
+    proc = subprocess.Popen([str(Path(PYTHON).parent / "bentoml"), "serve", "service.service:RewardService", "--port", str(port)],
+                            cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+    try:
+        wait_http(f"http://127.0.0.1:{port}/readyz", timeout=180, proc=proc)
+        yield {"url": f"http://127.0.0.1:{port}", "port": port, "log": log_path, "proc": proc}
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, 9)
+        log.close()
+
+
+@pytest.fixture(scope="module")
+def http(server):
+    with httpx.Client(base_url=server["url"], headers={"Authorization": f"Bearer {KEY}"}, timeout=60) as client:
+        yield client
+
+
+PROMPTS = ["How do I boil an egg?", "Human: tell me a joke\n\nAssistant:", "word " * 80, f"What is {SECRET_TEXT}?"]
+RESPONSES = ["Put it in boiling water for eight minutes.", "Why did the chicken cross the road?", "Short.",
+             "I do not know that word."]
+
+
+def _library(store, version, prompts, responses):
+    return store["scorers"][version].score(prompts, responses)
+
+
+def _champion(version: str) -> None:
+    MlflowClient().set_registered_model_alias(NAME, "champion", version)
+
+
+# ---------------------------------------------------------------------------------------------------
+
+def test_binds_loopback_by_default(server):
+    listening = set()
+    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+        if os.path.exists(table):
+            for line in Path(table).read_text().splitlines()[1:]:
+                local, state = line.split()[1], line.split()[3]
+                address, port = local.rsplit(":", 1)
+                if state == "0A" and int(port, 16) == server["port"]:
+                    listening.add(address)
+    assert listening == {"0100007F"}, listening  # 127.0.0.1 only, not 0.0.0.0 or ::
+
+
+def test_api_key_guards_everything_but_health_checks(server, http):
+    url = server["url"]
+    for path in ("/livez", "/healthz", "/readyz"):
+        assert httpx.get(url + path).status_code == 200
+    body = {"items": [{"prompt": "p", "response": "r"}]}
+    assert httpx.post(url + "/score", json=body).status_code == 401
+    assert httpx.post(url + "/score", json=body, headers={"Authorization": "Bearer wrong"}).status_code == 401
+    assert httpx.get(url + "/metrics").status_code == 401
+    assert httpx.post(url + "/score", json=body, headers={"X-API-Key": KEY}).status_code == 200
+    assert http.get("/metrics").status_code == 200
+    # the internal batching route refuses outside callers, key or not
+    assert http.post("/internal/score_batch", json={"pairs": [{"prompt": "p", "response": "r"}]}).status_code == 404
+
+
+def test_score_equals_the_library_scorer(store, http):
+    _champion("1")
+    http.post("/reload")
+    response = http.post("/score", json={"items": [{"prompt": p, "response": r} for p, r in zip(PROMPTS, RESPONSES)]})
+    assert response.status_code == 200, response.text
+    body = response.json()
+    assert body["model"] == {"name": NAME, "version": "1"}
+    expected = _library(store, "1", PROMPTS, RESPONSES)
+    np.testing.assert_allclose(body["rewards"], expected.rewards, atol=1e-5)
+    assert body["truncated"] == expected.truncated.tolist() == [False, False, True, False]
+
+
+def test_best_of_n_and_compare(store, http):
+    candidates = ["Boil it.", "Put it in boiling water for eight minutes, then cool it.", "I like eggs.", "No."]
+    response = http.post("/best_of_n", json={"prompt": PROMPTS[0], "candidates": candidates})
+    assert response.status_code == 200, response.text
+    body = response.json()
+    expected = _library(store, "1", [PROMPTS[0]] * 4, candidates).rewards
+    np.testing.assert_allclose(body["rewards"], expected, atol=1e-5)
+    assert body["ranking"] == sorted(range(4), key=lambda i: -expected[i])
+    assert body["best_index"] == body["ranking"][0] and body["model"]["version"] == "1"
+    compared = http.post("/compare", json={"prompt": PROMPTS[0], "response_a": candidates[1], "response_b": candidates[2]})
+    assert compared.status_code == 200, compared.text
+    c = compared.json()
+    np.testing.assert_allclose([c["reward_a"], c["reward_b"]], [expected[1], expected[2]], atol=1e-5)
+    assert c["p_a_preferred"] == pytest.approx(1 / (1 + math.exp(-(c["reward_a"] - c["reward_b"]))), abs=1e-9)
+    assert c["model"] == {"name": NAME, "version": "1"}
+
+
+def test_openrlhf_get_reward_protocol(store, http):
+    prompts = [PROMPTS[0], PROMPTS[1]]
+    queries = [PROMPTS[0] + " " + RESPONSES[0], PROMPTS[1] + RESPONSES[1]]
+    # exactly what openrlhf.utils.remote_rm_utils posts, labels included
+    response = http.post("/get_reward", json={"query": queries, "prompts": prompts, "labels": [None, None]})
+    assert response.status_code == 200, response.text
+    body = response.json()
+    assert {"rewards", "scores", "extra_logs"} <= set(body)
+    expected = _library(store, "1", prompts, [" " + RESPONSES[0], RESPONSES[1]]).rewards
+    np.testing.assert_allclose(body["rewards"], expected, atol=1e-5)
+    assert body["scores"] == body["rewards"]
+    assert body["extra_logs"] == {"truncated": [0.0, 0.0], "prompt_found": [1.0, 1.0]}
+    assert body["model"]["version"] == "1"
+    bare = http.post("/get_reward", json={"query": queries[:1]}).json()  # older clients send the query alone
+    np.testing.assert_allclose(bare["rewards"], _library(store, "1", [""], queries[:1]).rewards, atol=1e-5)
+    assert bare["extra_logs"]["prompt_found"] == [0.0]
+
+
+def test_model_and_report(store, http):
+    info = http.post("/model").json()
+    assert (info["name"], info["version"], info["alias"]) == (NAME, "1", "champion")
+    assert info["run_id"] == MlflowClient().get_model_version(NAME, "1").run_id
+    assert info["headline_metrics"]["mean_nts"] == pytest.approx(_report(54.0).mean_nts, abs=0.01)
+    assert info["max_length"] == MAX_LENGTH and "left" in info["truncation_policy"]
+    report = http.post("/report").json()
+    assert report["mean_nts"] == pytest.approx(_report(54.0).mean_nts)
+    assert [row["dataset"] for row in report["splits"]] == ["hh-helpful-base", "pandalm"]
+
+
+def test_openapi_documents_every_endpoint(http):
+    spec = http.get("/docs.json").json()
+    for path in ("/score", "/best_of_n", "/compare", "/get_reward", "/report", "/model", "/reload"):
+        assert path in spec["paths"], path
+    score_schema = json.dumps(spec["paths"]["/score"])
+    assert "items" in score_schema or "ScoreRequest" in score_schema
+
+
+BAD = [
+    ("/score", {}, "items"),
+    ("/score", {"items": []}, "items"),
+    ("/score", {"items": [{"prompt": "p"}]}, "items[0].response"),
+    ("/score", {"items": [{"prompt": 5, "response": "r"}]}, "items[0].prompt"),
+    ("/score", {"items": [{"prompt": "", "response": "r"}]}, "items[0].prompt"),
+    ("/score", {"items": "not a list"}, "items"),
+    ("/score", {"items": [{"prompt": "p", "response": "r"}] * 9}, "limit of 8"),
+    ("/score", {"items": [{"prompt": "p", "response": "x" * 4001}]}, "limit of 4000 bytes"),
+    ("/score", {"items": [{"prompt": "p", "response": "r", "extra": SECRET_TEXT}]}, "items[0].extra"),
+    ("/best_of_n", {"prompt": "p", "candidates": []}, "candidates"),
+    ("/best_of_n", {"prompt": "p", "candidates": ["a"] * 5}, "limit of 4"),
+    ("/best_of_n", {"prompt": "p"}, "candidates"),
+    ("/best_of_n", {"prompt": "p", "candidates": ["a", None]}, "candidates[1]"),
+    ("/compare", {"prompt": "p", "response_a": "a"}, "response_b"),
+    ("/compare", {"prompt": "p", "response_a": "a", "response_b": "  "}, "response_b"),
+    ("/get_reward", {"query": ["q1", "q2"], "prompts": ["q"]}, "prompts"),
+    ("/get_reward", {"query": []}, "query"),
+    ("/get_reward", {"query": "q"}, "query"),
+    ("/get_reward", {"prompts": ["p"]}, "query"),
+]
+
+
+@pytest.mark.parametrize("path, body, words", BAD)
+def test_bad_input_is_a_4xx_naming_field_and_limit(http, path, body, words):
+    response = http.post(path, json=body)
+    assert 400 <= response.status_code < 500, (response.status_code, response.text)
+    assert words in response.json()["error"], response.text
+
+
+def test_malformed_bodies_never_give_a_5xx(http):
+    cases = [b"", b"{", b"null", b"[]", b"\"text\"", b"{\"items\": [[1, 2]]}", SECRET_TEXT.encode(),
+             b'{"items": [{"prompt": "\\ud800", "response": "r"}]}', b"\xff\xfe", b"{\"prompt\": {}}" * 3,
+             b"[" * 5000 + b"]" * 5000]
+    rng = random.Random(0)
+    cases += [bytes(rng.randrange(256) for _ in range(rng.randrange(1, 200))) for _ in range(10)]
+    for path in ("/score", "/best_of_n", "/compare", "/get_reward"):
+        for content in cases:
+            response = http.post(path, content=content, headers={"Content-Type": "application/json"})
+            assert 400 <= response.status_code < 500, (path, content[:40], response.status_code, response.text[:300])
+            assert "error" in response.text
+    big = http.post("/score", content=b"x" * 200001, headers={"Content-Type": "application/json"})
+    assert big.status_code == 413 and "200000 bytes" in big.json()["error"]
+    text = http.post("/score", content=b"prompt=x", headers={"Content-Type": "text/plain"})
+    assert 400 <= text.status_code < 500
+
+
+def test_reward_does_not_depend_on_the_batch(store, http):
+    """One pair alone, then inside a crowd of concurrent requests of other lengths (adaptive batching mixes
+    them); its reward may move by at most 1e-4."""
+    pair = {"prompt": PROMPTS[1], "response": RESPONSES[1]}
+    alone = http.post("/score", json={"items": [pair]}).json()["rewards"][0]
+    others = [{"prompt": "x " * n, "response": "y " * (n // 2 + 1)} for n in range(1, 40, 3)]
+    with ThreadPoolExecutor(16) as pool:
+        futures = []
+        for round_ in range(4):
+            for i, other in enumerate(others):
+                items = [other, pair] if (i + round_) % 2 else [pair, other]
+                futures.append((items.index(pair), pool.submit(http.post, "/score", json={"items": items})))
+        results = [(idx, f.result()) for idx, f in futures]
+    for idx, response in results:
+        assert response.status_code == 200, response.text
+        assert abs(response.json()["rewards"][idx] - alone) <= 1e-4
+    # BentoML's histogram of requests per batch: some batches must have held more than one request
+    single = total = 0.0
+    for line in http.get("/metrics").text.splitlines():
+        if line.startswith("bentoml_service_adaptive_batch_size_bucket") and 'le="1.0"' in line:
+            single += float(line.rsplit(" ", 1)[1])
+        elif line.startswith("bentoml_service_adaptive_batch_size_count"):
+            total += float(line.rsplit(" ", 1)[1])
+    assert total > single, (single, total)
+
+
+def test_alias_moves_reach_the_service_without_failing_requests(store, server, http):
+    prompts, responses = PROMPTS[:2], RESPONSES[:2]
+    expected = {v: _library(store, v, prompts, responses).rewards for v in ("1", "2")}
+    body = {"items": [{"prompt": p, "response": r} for p, r in zip(prompts, responses)]}
+    stop = threading.Event()
+    seen, failures = [], []
+
+    def traffic():
+        with httpx.Client(base_url=server["url"], headers={"X-API-Key": KEY}, timeout=60) as client:
+            while not stop.is_set():
+                r = client.post("/score", json=body)
+                if r.status_code != 200:
+                    failures.append((r.status_code, r.text))
+                    continue
+                out = r.json()
+                seen.append(out["model"]["version"])
+                if not np.allclose(out["rewards"], expected[out["model"]["version"]], atol=1e-5):
+                    failures.append(("wrong rewards for the named version", out))
+
+    threads = [threading.Thread(target=traffic) for _ in range(3)]
+    for t in threads:
+        t.start()
+    try:
+        time.sleep(1)
+        # 1. the authenticated reload endpoint
+        assert httpx.post(server["url"] + "/reload").status_code == 401
+        _champion("2")
+        reloaded = http.post("/reload").json()
+        assert reloaded["current_version"] == "2" and reloaded["error"] is None
+        assert http.post("/model").json()["version"] == "2"
+        assert http.post("/score", json=body).json()["model"]["version"] == "2"
+        time.sleep(1)
+        # 2. polling (every 2 s here): move the alias back and wait
+        _champion("1")
+        deadline = time.time() + 60
+        while http.post("/model").json()["version"] != "1" and time.time() < deadline:
+            time.sleep(0.5)
+        assert http.post("/model").json()["version"] == "1"
+        time.sleep(1)
+    finally:
+        stop.set()
+        for t in threads:
+            t.join()
+    assert not failures, failures[:3]
+    assert {"1", "2"} <= set(seen)
+
+
+def test_logs_hold_no_bodies_and_no_keys(server, http):
+    http.post("/score", json={"items": [{"prompt": SECRET_TEXT, "response": SECRET_TEXT}]})
+    http.post("/score", content=b"{" + SECRET_TEXT.encode(), headers={"Content-Type": "application/json"})
+    time.sleep(0.5)
+    log = Path(server["log"]).read_text(errors="replace")
+    assert "Service anchor_rm_reward initialized" in log or "anchor_rm_reward" in log
+    assert SECRET_TEXT not in log
+    assert KEY not in log
+    assert "lost its connection" not in log  # the internal client kept one session (see service.py)
