@@ -26,7 +26,6 @@ from anchor_rm.training import StepLog, TrainConfig
 from anchor_rm.workflow import (
     RewardModel,
     evaluate_model,
-    evaluation_sets,
     load_pretrained,
     reference_states,
     save_reward_model,
@@ -236,6 +235,3 @@ def run_student(cfg: ProtocolConfig, shared: SharedStages, train_cfg: TrainConfi
         _log_model(rm, "model", {"method": train_cfg.method, "teacher": cfg.teacher})
     return run.info.run_id, report
 
-
-def evaluation_set_names(splits: ProtocolSplits) -> list[str]:
-    return [name for name, _, _ in evaluation_sets(splits, "test")]

@@ -139,10 +139,6 @@ def load_reward_model(source: ModelSource, *, dropout: float | None = 0.0) -> Pr
     return model
 
 
-def num_layers(model: PreTrainedModel) -> int:
-    return int(model.config.num_hidden_layers)
-
-
 def is_decoder(model: PreTrainedModel) -> bool:
     return not getattr(model.config, "is_encoder_decoder", False) and model.config.model_type not in ENCODER_TYPES
 

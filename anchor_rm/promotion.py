@@ -303,6 +303,21 @@ def _set_tag(client: MlflowClient, name: str, version: str, key: str, value: str
     _write(lambda: client.set_model_version_tag(name, version, key, value))
 
 
+def _move_champion(client: MlflowClient, name: str, new: str, old: str | None, settle_seconds: float,
+                   sleep: Callable[[float], None]) -> tuple[str | None, str | None]:
+    """champion -> `new`, previous-champion -> `old`; then, after `settle_seconds`, the aliases as they
+    stand (another writer may have moved them: MLflow has no compare-and-set for aliases).
+
+    previous-champion first: a crash between the two writes leaves both on the old champion, not a
+    previous-champion that names a version which never was champion."""
+    if old is not None:
+        _set_alias(client, name, registry.PREVIOUS_CHAMPION, old)
+    _set_alias(client, name, registry.CHAMPION, new)
+    sleep(settle_seconds)
+    after = read_aliases(name)
+    return after.get(registry.CHAMPION), after.get(registry.PREVIOUS_CHAMPION)
+
+
 def _now() -> str:
     return datetime.now(timezone.utc).isoformat(timespec="seconds")
 
@@ -341,14 +356,7 @@ def apply_promotion(
             return PromotionResult("refused", decision, current, decision.previous_champion, notes=tuple(notes))
 
     client = _client()
-    # previous-champion first: a crash between the two writes leaves both on the old champion, not a
-    # previous-champion that names a version which never was champion.
-    if current is not None:
-        _set_alias(client, name, registry.PREVIOUS_CHAMPION, current)
-    _set_alias(client, name, registry.CHAMPION, candidate)
-    sleep(settle_seconds)
-    after = read_aliases(name)
-    champion_after, previous_after = after.get(registry.CHAMPION), after.get(registry.PREVIOUS_CHAMPION)
+    champion_after, previous_after = _move_champion(client, name, candidate, current, settle_seconds, sleep)
     if champion_after != candidate:
         notes.append(
             f"another promotion or rollback moved champion to {_v(champion_after)} after this one set it to "
@@ -412,12 +420,7 @@ def rollback(
     if dry_run:
         return RollbackResult("would-roll-back", name, current, previous, current, previous)
     client = _client()
-    if current is not None:
-        _set_alias(client, name, registry.PREVIOUS_CHAMPION, current)
-    _set_alias(client, name, registry.CHAMPION, previous)
-    sleep(settle_seconds)
-    after = read_aliases(name)
-    champion_after, previous_after = after.get(registry.CHAMPION), after.get(registry.PREVIOUS_CHAMPION)
+    champion_after, previous_after = _move_champion(client, name, previous, current, settle_seconds, sleep)
     if champion_after != previous:
         note = (f"another promotion or rollback moved champion to {_v(champion_after)} after this rollback set it "
                 f"to v{previous}: the rollback did not stick")

@@ -4,7 +4,6 @@ evaluate on every split. MLflow and Ray wrap these; nothing here reaches for the
 from __future__ import annotations
 
 import json
-import os
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Sequence
@@ -188,10 +187,3 @@ def scores_to_dict(scores: dict[str, SplitScore]) -> dict[str, dict]:
 
 def scores_from_dict(raw: dict[str, dict]) -> dict[str, SplitScore]:
     return {name: SplitScore(**fields) for name, fields in raw.items()}
-
-
-def set_threads() -> None:
-    """Use the cores we were given (Ray sets OMP_NUM_THREADS per worker; honour it)."""
-    threads = int(os.environ.get("OMP_NUM_THREADS", "0") or 0)
-    if threads > 0:
-        torch.set_num_threads(threads)
