@@ -4,7 +4,7 @@ service all call `RewardScorer.score`."""
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Sequence
+from typing import Callable, Sequence
 
 import numpy as np
 import torch
@@ -60,16 +60,26 @@ class ScoredTexts:
     truncated: np.ndarray  # bool, one per input
 
 
-class RewardScorer:
-    """Scores (prompt, response) pairs with one reward model."""
+# Called once per scored batch with (indices into the scored sequences, every layer's hidden states,
+# response mask): how representation drift is measured in the same forward pass as the rewards.
+HiddenStatesHook = Callable[[list[int], tuple[torch.Tensor, ...], torch.Tensor], None]
 
-    def __init__(self, model, encoder: RewardEncoder, batch_size: int = 32):
+
+class RewardScorer:
+    """Scores (prompt, response) pairs with one reward model.
+
+    fp32 by default (evaluation, the registry model and the service); `bf16=True` runs the forward pass
+    under bf16 autocast, about 2.5x faster on CPU, for bulk evaluation where the last digit does not matter.
+    """
+
+    def __init__(self, model, encoder: RewardEncoder, batch_size: int = 32, bf16: bool = False):
         self.model = model
         self.encoder = encoder
         self.batch_size = batch_size
+        self.bf16 = bf16
 
     @torch.inference_mode()
-    def score_encoded(self, encoded: Sequence[EncodedText]) -> np.ndarray:
+    def score_encoded(self, encoded: Sequence[EncodedText], hidden_states_hook: HiddenStatesHook | None = None) -> np.ndarray:
         was_training = self.model.training
         self.model.eval()
         rewards = np.zeros(len(encoded), dtype=np.float64)
@@ -78,8 +88,11 @@ class RewardScorer:
             for batch_indices in length_sorted_batches([len(e.input_ids) for e in encoded], self.batch_size):
                 batch = collate([encoded[i] for i in batch_indices], self.encoder.pad_token_id)
                 batch = {k: v.to(device) for k, v in batch.items()}
-                logits = reward_forward(self.model, batch).logits
-                rewards[batch_indices] = logits[:, 0].float().cpu().numpy()
+                with torch.autocast(device.type, dtype=torch.bfloat16, enabled=self.bf16):
+                    output = reward_forward(self.model, batch, output_hidden_states=hidden_states_hook is not None)
+                rewards[batch_indices] = output.logits[:, 0].float().cpu().numpy()
+                if hidden_states_hook is not None:
+                    hidden_states_hook(batch_indices, output.hidden_states, batch["response_mask"])
         finally:
             self.model.train(was_training)
         return rewards
@@ -90,6 +103,7 @@ class RewardScorer:
         encoded = [self.encoder.encode(p, r) for p, r in zip(prompts, responses)]
         return ScoredTexts(self.score_encoded(encoded), np.array([e.truncated for e in encoded], dtype=bool))
 
-    def score_pairs(self, pairs: EncodedPairs) -> tuple[np.ndarray, np.ndarray]:
-        rewards = self.score_encoded(pairs.chosen + pairs.rejected)
+    def score_pairs(self, pairs: EncodedPairs, hidden_states_hook: HiddenStatesHook | None = None) -> tuple[np.ndarray, np.ndarray]:
+        """Rewards of the chosen and of the rejected responses; the hook sees chosen + rejected indices."""
+        rewards = self.score_encoded(pairs.chosen + pairs.rejected, hidden_states_hook)
         return rewards[: len(pairs)], rewards[len(pairs) :]

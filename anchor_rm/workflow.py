@@ -18,7 +18,7 @@ from anchor_rm.reference_cache import ReferenceStates, compute_reference_states
 from anchor_rm.metrics import pairwise_accuracy, tie_rate
 from anchor_rm.models import ModelSource, is_decoder, load_reward_model, load_tokenizer, resolve_model
 from anchor_rm.report import SplitResult
-from anchor_rm.scoring import EncodedPairs, RewardScorer, encode_pairs
+from anchor_rm.scoring import EncodedPairs, HiddenStatesHook, RewardScorer, encode_pairs
 from anchor_rm.splits import ProtocolSplits
 from anchor_rm.training import StepLog, TrainConfig, TrainResult, train_reward_model
 
@@ -34,8 +34,8 @@ class RewardModel:
     encoder: RewardEncoder
     name: str
 
-    def scorer(self, batch_size: int = 32) -> RewardScorer:
-        return RewardScorer(self.model, self.encoder, batch_size)
+    def scorer(self, batch_size: int = 32, bf16: bool = False) -> RewardScorer:
+        return RewardScorer(self.model, self.encoder, batch_size, bf16)
 
     def encode(self, pairs: Sequence[PreferencePair]) -> EncodedPairs:
         return encode_pairs(self.encoder, pairs)
@@ -116,13 +116,14 @@ def train_on_pairs(
     return result, encoded
 
 
-def soft_labels(teacher: RewardModel, pairs: Sequence[PreferencePair], batch_size: int = 32) -> np.ndarray:
+def soft_labels(teacher: RewardModel, pairs: Sequence[PreferencePair], batch_size: int = 32,
+                bf16: bool = False) -> np.ndarray:
     """The teacher's P(chosen preferred) = sigmoid(r_chosen - r_rejected), one per input pair.
 
     A pair the teacher's truncation made identical gets 0.5: the teacher has no opinion on it.
     """
     encoded = teacher.encode(pairs)
-    chosen, rejected = teacher.scorer(batch_size).score_pairs(encoded)
+    chosen, rejected = teacher.scorer(batch_size, bf16).score_pairs(encoded)
     probs = np.full(len(pairs), 0.5)
     probs[encoded.kept] = 1.0 / (1.0 + np.exp(-(chosen - rejected)))
     return probs
@@ -136,11 +137,13 @@ class SplitScore:
     identical_after_truncation: int
 
 
-def evaluate_pairs(rm: RewardModel, pairs: Sequence[PreferencePair], batch_size: int = 32) -> SplitScore:
+def evaluate_pairs(rm: RewardModel, pairs: Sequence[PreferencePair], batch_size: int = 32, *, bf16: bool = False,
+                   hidden_states_hook: HiddenStatesHook | None = None) -> SplitScore:
+    """Pairwise accuracy on `pairs`; the hook (see scoring) sees chosen + rejected sequences' states."""
     encoded = rm.encode(pairs)
     if len(encoded) == 0:
         raise ValueError("no pair left to evaluate after truncation")
-    chosen, rejected = rm.scorer(batch_size).score_pairs(encoded)
+    chosen, rejected = rm.scorer(batch_size, bf16).score_pairs(encoded, hidden_states_hook)
     return SplitScore(pairwise_accuracy(chosen, rejected), len(encoded), tie_rate(chosen, rejected), encoded.identical_after_truncation)
 
 
@@ -152,8 +155,9 @@ def evaluation_sets(splits: ProtocolSplits, split: str) -> list[tuple[str, str, 
     return [(splits.source, "id", source_pairs)] + [(t, "ood", parts[split]) for t, parts in splits.ood.items()]
 
 
-def evaluate_model(rm: RewardModel, splits: ProtocolSplits, split: str, batch_size: int = 32) -> dict[str, SplitScore]:
-    return {name: evaluate_pairs(rm, pairs, batch_size) for name, _, pairs in evaluation_sets(splits, split)}
+def evaluate_model(rm: RewardModel, splits: ProtocolSplits, split: str, batch_size: int = 32, *,
+                   bf16: bool = False) -> dict[str, SplitScore]:
+    return {name: evaluate_pairs(rm, pairs, batch_size, bf16=bf16) for name, _, pairs in evaluation_sets(splits, split)}
 
 
 def split_results(

@@ -1,0 +1,85 @@
+"""Representation drift: how far a trained student's hidden states moved from its frozen pretrained copy.
+
+The mechanism ANCHOR targets: weak-label training pulls the student's representations away from the
+pretrained ones, and the paper blames that drift for the OOD drop. Drift is measured like the anchor term,
+on response tokens only: per sequence, the mean squared distance (over tokens and the hidden dimension)
+and the mean cosine similarity between student and reference states; then the mean over sequences and
+over the layers of a layer choice. The student's states come from the same forward pass that scores it
+(scoring.HiddenStatesHook); the reference's are computed once per evaluation set (reference_cache).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Mapping, Sequence
+
+import numpy as np
+import torch
+
+from anchor_rm.data import PreferencePair
+from anchor_rm.reference_cache import ReferenceStates, compute_reference_states, encoded_digest
+from anchor_rm.workflow import RewardModel, SplitScore, evaluate_pairs
+
+
+@dataclass(frozen=True)
+class Drift:
+    msd: float  # mean squared distance per hidden unit, response tokens
+    cosine: float  # mean cosine similarity, response tokens
+    n_sequences: int
+
+
+class DriftMeter:
+    """A scoring hook that compares each scored sequence's states with the reference's cached states.
+
+    `layer_sets` names groups of hidden-state indices, e.g. {"last": [6], "middle": [3, 5]}.
+    """
+
+    def __init__(self, reference: ReferenceStates, layer_sets: Mapping[str, Sequence[int]]):
+        missing = sorted({layer for layers in layer_sets.values() for layer in layers} - set(reference.layers))
+        if missing:
+            raise ValueError(f"reference states hold layers {reference.layers}, not {missing}")
+        self.reference = reference
+        self.layer_sets = {name: list(layers) for name, layers in layer_sets.items()}
+        self.msd: dict[int, list[float]] = {layer: [] for layers in self.layer_sets.values() for layer in layers}
+        self.cosine: dict[int, list[float]] = {layer: [] for layer in self.msd}
+
+    def __call__(self, batch_indices: list[int], hidden_states: tuple[torch.Tensor, ...], response_mask: torch.Tensor) -> None:
+        mask = response_mask.bool().cpu()
+        for layer in self.msd:
+            states = hidden_states[layer].float().cpu()
+            for row, seq in enumerate(batch_indices):
+                student = states[row][mask[row]]
+                reference = self.reference.states[layer][seq].float()
+                if student.shape != reference.shape:
+                    raise ValueError(f"sequence {seq}: student has {tuple(student.shape)} response states, "
+                                     f"the reference cache {tuple(reference.shape)}; they were encoded differently")
+                if len(student) == 0:
+                    continue
+                self.msd[layer].append(float((student - reference).pow(2).mean()))
+                self.cosine[layer].append(float(torch.nn.functional.cosine_similarity(student, reference, dim=-1).mean()))
+
+    def result(self) -> dict[str, Drift]:
+        out = {}
+        for name, layers in self.layer_sets.items():
+            out[name] = Drift(float(np.mean([np.mean(self.msd[layer]) for layer in layers])),
+                              float(np.mean([np.mean(self.cosine[layer]) for layer in layers])),
+                              len(self.msd[layers[0]]))
+        return out
+
+
+def evaluation_reference(reference: torch.nn.Module, rm: RewardModel, pairs: Sequence[PreferencePair],
+                         layers: Sequence[int], *, batch_size: int = 32, bf16: bool = False) -> ReferenceStates:
+    """The frozen reference's response-token states on an evaluation set, as `rm` encodes it."""
+    return compute_reference_states(reference, rm.encode(pairs), sorted(set(layers)), rm.encoder.pad_token_id,
+                                    batch_size=batch_size, bf16=bf16)
+
+
+def evaluate_with_drift(rm: RewardModel, pairs: Sequence[PreferencePair], reference: ReferenceStates,
+                        layer_sets: Mapping[str, Sequence[int]], *, batch_size: int = 32,
+                        bf16: bool = False) -> tuple[SplitScore, dict[str, Drift]]:
+    """Accuracy on `pairs` and the drift per layer set, in one scoring pass."""
+    if encoded_digest(rm.encode(pairs)) != reference.digest:
+        raise ValueError("the reference states were computed on other pairs or another encoding of them")
+    meter = DriftMeter(reference, layer_sets)
+    score = evaluate_pairs(rm, pairs, batch_size, bf16=bf16, hidden_states_hook=meter)
+    return score, meter.result()

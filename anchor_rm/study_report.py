@@ -1,0 +1,294 @@
+"""Tables and plots of the preference-shift study (anchor_rm.study): mean and standard deviation over
+seeds of every method, the ANCHOR lambda sweep, the settings chosen on validation, the paired comparisons
+behind the paper's claims, and drift against OOD drop.
+
+Selection ("tuned") uses validation splits only: the setting with the best validation mean NTS, per seed.
+Every figure reported is on test splits.
+"""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+from typing import Callable, Sequence
+
+import numpy as np
+
+from anchor_rm.experiment import validation_metrics
+from anchor_rm.metrics import transfer_metrics
+from anchor_rm.workflow import scores_from_dict
+
+Metrics = dict  # one model in one protocol instance: id_acc, wrg, aog{}, nts{}, mean_nts, pgr, drift, ...
+
+
+def _accuracies(scores: dict) -> dict[str, float]:
+    return {name: s["accuracy"] for name, s in scores.items()}
+
+
+def model_metrics(instance: dict, test_scores: dict, drift: dict | None = None) -> Metrics:
+    """Transfer metrics of one model's test scores against the same instance's teacher (and ceiling)."""
+    source = instance["source"]
+    teacher = _accuracies(instance["teacher_scores"]["test"])
+    student = _accuracies(test_scores)
+    ceiling = instance["ceiling_scores"]
+    ceiling_acc = {source: ceiling["test"][source]["accuracy"]} if ceiling else None
+    tm = transfer_metrics(teacher, student, source, ceiling_acc)
+    targets = list(tm.aog)
+    out = {"id_acc": tm.id_acc_student, "n_id": test_scores[source]["n_pairs"], "wrg": tm.wrg, "aog": tm.aog,
+           "nts": tm.nts, "mean_nts": tm.mean_nts, "pgr": tm.pgr_id,
+           "ood_acc": float(np.mean([student[t] for t in targets])),
+           "mean_aog": float(np.mean(list(tm.aog.values()))),
+           "n": {name: s["n_pairs"] for name, s in test_scores.items()}}
+    out["ood_drop"] = out["wrg"] - out["mean_aog"]  # ID gain over the teacher that does not carry over OOD
+    if drift:
+        for choice in ("last", "middle"):
+            out[f"drift_{choice}_msd"] = float(np.mean([drift[t][choice]["msd"] for t in targets]))
+            out[f"drift_{choice}_cos"] = float(np.mean([drift[t][choice]["cosine"] for t in targets]))
+    return out
+
+
+def teacher_metrics(instance: dict) -> Metrics:
+    scores = instance["teacher_scores"]["test"]
+    source = instance["source"]
+    targets = [t for t in scores if t != source]
+    return {"id_acc": scores[source]["accuracy"], "n_id": scores[source]["n_pairs"],
+            "ood_acc": float(np.mean([scores[t]["accuracy"] for t in targets])),
+            "n": {name: s["n_pairs"] for name, s in scores.items()}}
+
+
+def val_mean_nts(instance: dict, student: dict) -> float:
+    teacher_val = scores_from_dict(instance["teacher_scores"]["val"])
+    return validation_metrics(instance["source"], teacher_val, scores_from_dict(student["val"]))["val/mean_nts"]
+
+
+def tuned(instance: dict, keep: Callable[[dict], bool]) -> dict:
+    """The student with the best validation mean NTS among those `keep` accepts."""
+    candidates = [s for s in instance["students"] if keep(s)]
+    if not candidates:
+        raise ValueError(f"{instance['category']} seed {instance['seed']}: no student to select from")
+    return max(candidates, key=lambda s: val_mean_nts(instance, s))
+
+
+def _is(method: str, layers: str | None = None, lam: float | None = None) -> Callable[[dict], bool]:
+    def keep(s: dict) -> bool:
+        return (s["method"] == method and (layers is None or s["anchor_layers"] == layers)
+                and (lam is None or math.isclose(s["anchor_lambda"], lam)))
+    return keep
+
+
+def rows_for(instances: Sequence[dict]) -> list[tuple[str, list[Metrics], list[str]]]:
+    """(row label, metrics per seed, the setting chosen per seed) for one category's instances."""
+    first = instances[0]
+    layer_choices = sorted({s["anchor_layers"] for s in first["students"] if s["method"] == "anchor"},
+                           key=lambda c: (c != "last", c))
+    lambdas = sorted({s["anchor_lambda"] for s in first["students"] if s["method"] == "anchor"})
+
+    def student_row(label: str, pick: Callable[[dict], dict]):
+        chosen = [pick(inst) for inst in instances]
+        return (label, [model_metrics(inst, s["test"], s["drift"]) for inst, s in zip(instances, chosen)],
+                [s["setting"] for s in chosen])
+
+    rows = [("weak teacher", [teacher_metrics(inst) for inst in instances], [inst["teacher"] for inst in instances])]
+    if all(inst["ceiling_scores"] for inst in instances):
+        rows.append(("strong ceiling (gold labels)", [model_metrics(inst, inst["ceiling_scores"]["test"]) for inst in instances],
+                     [inst["student"] for inst in instances]))
+    rows.append(student_row("naive W2S", lambda inst: tuned(inst, _is("naive"))))
+    rows.append(student_row("confidence W2S (alpha tuned on val)", lambda inst: tuned(inst, _is("confidence"))))
+    for choice in layer_choices:
+        rows.append(student_row(f"ANCHOR {choice} (lambda tuned on val)", lambda inst, c=choice: tuned(inst, _is("anchor", c))))
+    for choice in layer_choices:
+        for lam in lambdas:
+            rows.append(student_row(f"ANCHOR {choice}, lambda {lam:g}",
+                                    lambda inst, c=choice, v=lam: tuned(inst, _is("anchor", c, v))))
+    return rows
+
+
+def _mean_sd(values: Sequence[float | None]) -> tuple[float, float] | None:
+    vals = [v for v in values if v is not None]
+    if len(vals) != len(values) or not vals:
+        return None
+    return float(np.mean(vals)), float(np.std(vals, ddof=1)) if len(vals) > 1 else 0.0
+
+
+def _cell(values: Sequence[float | None], digits: int = 1) -> str:
+    stats = _mean_sd(values)
+    return "-" if stats is None else f"{stats[0]:+.{digits}f} ± {stats[1]:.{digits}f}"
+
+
+def _acc_cell(values: Sequence[float]) -> str:
+    stats = _mean_sd(values)
+    return "-" if stats is None else f"{stats[0]:.1f} ± {stats[1]:.1f}"
+
+
+def _n_cell(ns: Sequence[int]) -> str:
+    return str(min(ns)) if min(ns) == max(ns) else f"{min(ns)}-{max(ns)}"
+
+
+def _get(per_seed: list[Metrics], key: str, sub: str | None = None) -> list[float | None]:
+    return [(m.get(key) or {}).get(sub) if sub else m.get(key) for m in per_seed]
+
+
+def main_table(rows) -> list[str]:
+    lines = ["| model | ID acc (n) | WRG | mean AOG | mean NTS | PGR | drift last: MSD / cos | chosen on val |",
+             "|---|---|---|---|---|---|---|---|"]
+    for label, per_seed, chosen in rows:
+        drift = "-"
+        if per_seed[0].get("drift_last_msd") is not None:
+            msd, cos = _mean_sd(_get(per_seed, "drift_last_msd")), _mean_sd(_get(per_seed, "drift_last_cos"))
+            drift = f"{msd[0]:.3g} ± {msd[1]:.2g} / {cos[0]:.3f}"
+        choice = "; ".join(chosen) if "tuned" in label else "-"
+        pgr = "-" if label.startswith("strong ceiling") else _cell(_get(per_seed, "pgr"), 2)  # 1 by definition
+        lines.append(f"| {label} | {_acc_cell(_get(per_seed, 'id_acc'))} ({_n_cell(_get(per_seed, 'n_id'))}) | "
+                     f"{_cell(_get(per_seed, 'wrg'))} | {_cell(_get(per_seed, 'mean_aog'))} | "
+                     f"{_cell(_get(per_seed, 'mean_nts'), 2)} | {pgr} | {drift} | {choice} |")
+    return lines
+
+
+def target_table(rows, targets: list[str]) -> list[str]:
+    head = " | ".join(f"AOG {t} | NTS {t}" for t in targets)
+    lines = [f"| model | OOD acc (mean of targets) | {head} |", "|---|---|" + "---|" * (2 * len(targets))]
+    for label, per_seed, _ in rows:
+        if label == "weak teacher":
+            continue
+        cells = " | ".join(f"{_cell(_get(per_seed, 'aog', t))} | {_cell(_get(per_seed, 'nts', t))}" for t in targets)
+        lines.append(f"| {label} | {_acc_cell(_get(per_seed, 'ood_acc'))} | {cells} |")
+    return lines
+
+
+# Two-sided 95% Student-t quantiles by degrees of freedom: with three seeds a difference needs about
+# 4.3 standard errors before it counts, not the 2 a large sample would need.
+T95 = {1: 12.71, 2: 4.30, 3: 3.18, 4: 2.78, 5: 2.57, 6: 2.45, 7: 2.36, 8: 2.31, 9: 2.26}
+
+
+def paired(rows, a: str, b: str, key: str = "mean_nts") -> str:
+    """a minus b per seed (same splits and teacher), with the mean, its standard error and a 95% t interval:
+    the comparisons behind the claims."""
+    by_label = {label: per_seed for label, per_seed, _ in rows}
+    diffs = np.array([x[key] - y[key] for x, y in zip(by_label[a], by_label[b])])
+    text = f"{a} minus {b}, {key}: {diffs.mean():+.2f} (per seed {', '.join(f'{d:+.2f}' for d in diffs)}"
+    if len(diffs) < 2:
+        return text + "; one seed: no interval)"
+    se = float(np.std(diffs, ddof=1) / math.sqrt(len(diffs)))
+    half = T95.get(len(diffs) - 1, 2.0) * se
+    verdict = "within noise" if abs(diffs.mean()) <= half else ("higher" if diffs.mean() > 0 else "lower")
+    return text + f"; SE {se:.2f}, 95% CI {diffs.mean() - half:+.2f} to {diffs.mean() + half:+.2f}) -> {verdict}"
+
+
+def correlations(instances: Sequence[dict]) -> tuple[float, float, int]:
+    """Pearson and Spearman correlation of last-layer drift (OOD mean) with OOD drop over every student run."""
+    metrics = [model_metrics(inst, s["test"], s["drift"]) for inst in instances for s in inst["students"]]
+    x = np.array([m["drift_last_msd"] for m in metrics])
+    y = np.array([m["ood_drop"] for m in metrics])
+    if len(x) < 3 or x.std() == 0 or y.std() == 0:
+        return float("nan"), float("nan"), len(x)
+    rank = lambda v: np.argsort(np.argsort(v)).astype(float)  # noqa: E731 (no ties expected in real numbers)
+    return float(np.corrcoef(x, y)[0, 1]), float(np.corrcoef(rank(x), rank(y))[0, 1]), len(x)
+
+
+def _plot(instances_by_category: dict[str, list[dict]], rows_by_category: dict, out: Path) -> list[Path]:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    cats = list(instances_by_category)
+    paths = []
+
+    # NTS against lambda per layer choice; lambda 0 (naive) drawn one decade left of the smallest lambda.
+    fig, axes = plt.subplots(1, len(cats), figsize=(5.5 * len(cats), 4), squeeze=False)
+    for ax, cat in zip(axes[0], cats):
+        rows = rows_by_category[cat]
+        naive = _mean_sd(_get(next(r for l, r, _ in rows if l == "naive W2S"), "mean_nts"))
+        for choice, marker in (("last", "o"), ("middle", "s")):
+            sweep = [(float(l.split("lambda ")[1]), r) for l, r, _ in rows if l.startswith(f"ANCHOR {choice}, lambda ")]
+            if not sweep:
+                continue
+            lams = [lam for lam, _ in sweep]
+            zero_x = min(lams) / 10
+            xs = [zero_x] + lams
+            stats = [naive] + [_mean_sd(_get(r, "mean_nts")) for _, r in sweep]
+            ax.errorbar(xs, [s[0] for s in stats], yerr=[s[1] for s in stats], marker=marker, capsize=3, label=f"ANCHOR {choice}")
+        ax.set_xscale("log")
+        ax.axhline(0, color="grey", lw=0.8)
+        ax.set_title(f"{cat}: test mean NTS vs anchor lambda")
+        ax.set_xlabel("anchor lambda (leftmost point: lambda 0, naive W2S)")
+        ax.set_ylabel("mean NTS (points), mean ± sd over seeds")
+        ax.legend()
+    fig.tight_layout()
+    paths.append(out / "nts_vs_lambda.png")
+    fig.savefig(paths[-1], dpi=110)
+    plt.close(fig)
+
+    # ID against OOD accuracy per method.
+    fig, axes = plt.subplots(1, len(cats), figsize=(5.5 * len(cats), 4.2), squeeze=False)
+    for ax, cat in zip(axes[0], cats):
+        for label, per_seed, _ in rows_by_category[cat]:
+            if "lambda " in label and "tuned" not in label:
+                continue
+            x, y = _mean_sd(_get(per_seed, "id_acc")), _mean_sd(_get(per_seed, "ood_acc"))
+            ax.errorbar([x[0]], [y[0]], xerr=[x[1]], yerr=[y[1]], marker="o", capsize=3, label=label)
+        ax.set_title(f"{cat}: ID vs mean OOD test accuracy")
+        ax.set_xlabel("ID test accuracy (%)")
+        ax.set_ylabel("mean OOD test accuracy (%)")
+        ax.legend(fontsize=7)
+    fig.tight_layout()
+    paths.append(out / "id_vs_ood.png")
+    fig.savefig(paths[-1], dpi=110)
+    plt.close(fig)
+
+    # Drift against OOD drop, every W2S student run.
+    fig, axes = plt.subplots(1, len(cats), figsize=(5.5 * len(cats), 4), squeeze=False)
+    for ax, cat in zip(axes[0], cats):
+        for inst in instances_by_category[cat]:
+            for s in inst["students"]:
+                m = model_metrics(inst, s["test"], s["drift"])
+                color = {"naive": "C0", "confidence": "C1"}.get(s["method"], "C2" if s["anchor_layers"] == "last" else "C3")
+                ax.scatter(m["drift_last_msd"], m["ood_drop"], color=color, s=18)
+        for name, color in (("naive", "C0"), ("confidence", "C1"), ("ANCHOR last", "C2"), ("ANCHOR middle", "C3")):
+            ax.scatter([], [], color=color, label=name)
+        pearson, spearman, n = correlations(instances_by_category[cat])
+        ax.set_title(f"{cat}: drift vs OOD drop (Spearman {spearman:+.2f}, n={n})")
+        ax.set_xlabel("last-layer drift: MSD to the pretrained states, OOD test mean")
+        ax.set_ylabel("OOD drop: WRG - mean AOG (points)")
+        ax.legend(fontsize=7)
+    fig.tight_layout()
+    paths.append(out / "drift_vs_ood_drop.png")
+    fig.savefig(paths[-1], dpi=110)
+    plt.close(fig)
+    return paths
+
+
+def write_study_report(instances: list[dict], out: str | Path) -> list[Path]:
+    """tables.md and three PNGs in `out`; returns their paths."""
+    out = Path(out)
+    by_category: dict[str, list[dict]] = {}
+    for inst in instances:
+        by_category.setdefault(inst["category"], []).append(inst)
+    lines = ["# Preference-shift study: tables", "",
+             "Generated by `python pipelines/study.py` (anchor_rm/study_report.py). Test splits only; every",
+             "'tuned' setting was chosen per seed on validation mean NTS. Cells: mean ± sd over seeds.", ""]
+    rows_by_category = {}
+    for cat, insts in by_category.items():
+        rows = rows_for(insts)
+        rows_by_category[cat] = rows
+        first = insts[0]
+        sizes = ", ".join(f"{name} {_n_cell([m['n'][name] for m in rows[0][1]])}" for name in [first["source"]] + first["targets"])
+        lines += [f"## {cat}: source {first['source']}, student {first['student']}, teacher {first['teacher']}", "",
+                  f"Seeds: {', '.join(str(i['seed']) for i in insts)}. Test pairs per seed: {sizes}.", ""]
+        lines += main_table(rows) + [""]
+        lines += [f"### {cat}: per OOD target (AOG and NTS, points)", ""] + target_table(rows, first["targets"]) + [""]
+        lines += [f"### {cat}: paired comparisons (per seed, same splits and teacher)", ""]
+        anchor_rows = [label for label, _, _ in rows if label.startswith("ANCHOR") and "tuned" in label]
+        for a in anchor_rows:
+            for b in ("naive W2S", "confidence W2S (alpha tuned on val)"):
+                lines.append(f"- {paired(rows, a, b)}")
+        if len(anchor_rows) == 2:
+            lines.append(f"- {paired(rows, anchor_rows[0], anchor_rows[1])}")
+        lines.append(f"- {paired(rows, 'naive W2S', 'weak teacher', 'id_acc')}")
+        pearson, spearman, n = correlations(insts)
+        lines += [f"- drift (last layer, MSD) vs OOD drop over {n} student runs: Pearson {pearson:+.2f}, Spearman {spearman:+.2f}", ""]
+    paths = _plot(by_category, rows_by_category, out)
+    lines += ["## Plots", ""] + [f"![{p.stem}]({p.name})" for p in paths] + [""]
+    table_path = out / "tables.md"
+    table_path.write_text("\n".join(lines))
+    return [table_path, *paths]

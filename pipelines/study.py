@@ -1,0 +1,88 @@
+"""The preference-shift study: both categories, every method, an ANCHOR lambda sweep per layer choice,
+three seeds, representation drift; then the tables and plots of docs/results.md.
+
+    python pipelines/study.py                         # the whole study (hours on 2 CPU cores; resumable)
+    python pipelines/study.py --categories helpful --seeds 0
+    python pipelines/study.py --preset smoke --seeds 0 --lambdas 1e-2   # a few minutes: the whole path
+
+Every run goes to the MLflow experiment `anchor-rm-study` (--experiment). Each student is a run keyed by its
+inputs: run the same command again after an interruption and finished students are read back, not trained
+again; once all are finished, the same command only rebuilds the tables and plots (a minute). Progress lines
+say how many students are done and about how long the rest will take.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from _common import clean_errors, setup_logging  # noqa: E402
+
+log = logging.getLogger("anchor_rm")
+
+
+def _floats(text: str) -> list[float]:
+    try:
+        return [float(part) for part in text.split(",") if part.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected comma-separated numbers, got {text!r}") from None
+
+
+def _ints(text: str) -> list[int]:
+    try:
+        return [int(part) for part in text.split(",") if part.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {text!r}") from None
+
+
+def _names(text: str) -> list[str]:
+    return [part.strip() for part in text.split(",") if part.strip()]
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--categories", type=_names, default=["helpful", "harmless"], help="helpful,harmless (default both)")
+    p.add_argument("--seeds", type=_ints, default=[0, 1, 2], help="comma-separated seeds (default 0,1,2)")
+    p.add_argument("--lambdas", type=_floats, default=[1e-5, 1e-4, 1e-3, 1e-2, 1e-1],
+                   help="ANCHOR lambdas besides 0, which is the naive row (default 1e-5,1e-4,1e-3,1e-2,1e-1)")
+    p.add_argument("--layers", type=_names, default=["last", "middle"], help="ANCHOR layer choices (default last,middle)")
+    p.add_argument("--confidence-alphas", type=_floats, default=[0.5, 0.75],
+                   help="confidence W2S settings tuned on validation (default 0.5,0.75)")
+    p.add_argument("--preset", choices=["study", "smoke"], default="study",
+                   help="study: the sizes of docs/results.md; smoke: tiny, for tests")
+    p.add_argument("--out", default="docs/results", help="folder for study.json, tables.md and the plots (docs/results)")
+    p.add_argument("--tracking-uri", help="MLflow tracking URI (default: $MLFLOW_TRACKING_URI, else sqlite:///mlflow.db here)")
+    p.add_argument("--experiment", default="anchor-rm-study", help="MLflow experiment name (default anchor-rm-study)")
+    p.add_argument("--verbose", action="store_true")
+    return p
+
+
+def main(argv=None) -> int:
+    args = build_parser().parse_args(argv)
+    setup_logging(args.verbose)
+    with clean_errors():
+        from anchor_rm.study import StudyConfig, run_study
+        from anchor_rm.study_report import write_study_report
+        from anchor_rm.tracking import configure, resolve_tracking_uri
+
+        study = StudyConfig(categories=args.categories, seeds=args.seeds, lambdas=args.lambdas, layer_choices=args.layers,
+                            confidence_alphas=args.confidence_alphas, preset=args.preset)
+        out = Path(args.out)
+        out.mkdir(parents=True, exist_ok=True)
+        started = time.perf_counter()
+        experiment_id = configure(args.tracking_uri, args.experiment)
+        instances = run_study(study, experiment_id, print_fn=lambda line: print(line, flush=True))
+        (out / "study.json").write_text(json.dumps({"config": study.to_dict(), "instances": instances}, indent=1))
+        paths = write_study_report(instances, out)
+        print(f"\nstudy finished in {time.perf_counter() - started:.0f} s; wrote {', '.join(str(p) for p in paths)}")
+        print(f"browse: mlflow ui --backend-store-uri {resolve_tracking_uri(args.tracking_uri)}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,155 @@
+"""The preference-shift study: drift measurement, bf16 scoring, selection on validation, tables, and the
+resumable pipeline."""
+
+import json
+import math
+
+import mlflow
+import numpy as np
+import pytest
+import torch
+
+from anchor_rm.data import PreferencePair
+from anchor_rm.encoding import RewardEncoder
+from anchor_rm.scoring import RewardScorer, encode_pairs
+from anchor_rm.workflow import RewardModel
+from helpers import run_pipeline
+
+
+def _pairs(n=24):
+    return [PreferencePair(f"question number {i}", f"good answer {i % 7} " * (1 + i % 3), f"bad answer {i % 5}", "toy")
+            for i in range(n)]
+
+
+def _rm(model, tokenizer, max_length=32):
+    return RewardModel(model, tokenizer, RewardEncoder(tokenizer, max_length, decoder=False), "tiny")
+
+
+def test_drift_is_zero_for_the_reference_itself_and_grows_with_perturbation(tiny_bert, minilm_tokenizer):
+    from anchor_rm.drift import evaluate_with_drift, evaluation_reference
+    from anchor_rm.workflow import evaluate_pairs
+
+    pairs = _pairs()
+    reference = tiny_bert(0).eval()
+    rm = _rm(tiny_bert(0), minilm_tokenizer)
+    states = evaluation_reference(reference, rm, pairs, [1, 2], batch_size=5)
+    score, drift = evaluate_with_drift(rm, pairs, states, {"last": [2], "both": [1, 2]}, batch_size=7)
+    assert score == evaluate_pairs(rm, pairs, 7)  # the same scoring pass, the same accuracy
+    assert drift["last"].msd == pytest.approx(0.0, abs=1e-6) and drift["last"].cosine == pytest.approx(1.0, abs=1e-5)
+    assert drift["both"].n_sequences == 2 * len(pairs)
+
+    with torch.no_grad():
+        for p in rm.model.bert.encoder.layer[1].parameters():
+            p.add_(0.05 * torch.randn_like(p))
+    _, moved = evaluate_with_drift(rm, pairs, states, {"first": [1], "last": [2]})
+    assert moved["first"].msd == pytest.approx(0.0, abs=1e-6)  # layer 1's output did not change
+    assert moved["last"].msd > 1e-4 and moved["last"].cosine < 1.0
+
+
+def test_drift_refuses_states_of_other_pairs(tiny_bert, minilm_tokenizer):
+    from anchor_rm.drift import evaluate_with_drift, evaluation_reference
+
+    rm = _rm(tiny_bert(0), minilm_tokenizer)
+    states = evaluation_reference(tiny_bert(0), rm, _pairs(24), [2])
+    with pytest.raises(ValueError, match="other pairs"):
+        evaluate_with_drift(rm, _pairs(20), states, {"last": [2]})
+    with pytest.raises(ValueError, match="not \\[1\\]"):
+        evaluate_with_drift(rm, _pairs(24), states, {"first": [1]})
+
+
+def test_bf16_scoring_is_close_to_fp32_and_the_hook_sees_every_sequence(tiny_bert, minilm_tokenizer):
+    encoder = RewardEncoder(minilm_tokenizer, 32, decoder=False)
+    encoded = encode_pairs(encoder, _pairs())
+    model = tiny_bert(3)
+    seen = []
+    fp32 = RewardScorer(model, encoder, batch_size=5).score_pairs(encoded, lambda idx, hs, mask: seen.extend(idx))
+    bf16 = RewardScorer(model, encoder, batch_size=5, bf16=True).score_pairs(encoded)
+    assert sorted(seen) == list(range(2 * len(encoded)))
+    np.testing.assert_allclose(bf16[0], fp32[0], atol=0.05)
+    assert not np.array_equal(bf16[0], fp32[0])  # it really ran in bf16
+
+
+def _instance(seed: int, val_nts_by_lambda: dict, test_acc_by_lambda: dict) -> dict:
+    """A synthetic protocol instance: teacher at 60 everywhere; ANCHOR students whose validation and test
+    accuracies on the OOD target are given per lambda."""
+    teacher = {"val": {"src": _s(60), "ood": _s(60)}, "test": {"src": _s(60), "ood": _s(60)}}
+    students = [{"setting": "naive", "method": "naive", "anchor_lambda": 0.0, "anchor_layers": None,
+                 "confidence_alpha": None, "val": {"src": _s(61), "ood": _s(60)}, "test": {"src": _s(61), "ood": _s(59)},
+                 "drift": _drift(0.3)},
+                {"setting": "confidence alpha=0.75", "method": "confidence", "anchor_lambda": 0.0, "anchor_layers": None,
+                 "confidence_alpha": 0.75, "val": {"src": _s(61), "ood": _s(59)}, "test": {"src": _s(61), "ood": _s(58)},
+                 "drift": _drift(0.4)}]
+    for lam, val_nts in val_nts_by_lambda.items():
+        students.append({"setting": f"anchor last lambda={lam:g}", "method": "anchor", "anchor_lambda": lam,
+                         "anchor_layers": "last", "confidence_alpha": None,
+                         "val": {"src": _s(60), "ood": _s(60 + val_nts)},
+                         "test": {"src": _s(60), "ood": _s(test_acc_by_lambda[lam])}, "drift": _drift(0.1 / (1 + lam))})
+    return {"category": "helpful", "seed": seed, "source": "src", "targets": ["ood"], "student": "s", "teacher": "t",
+            "teacher_scores": teacher, "ceiling_scores": {"test": {"src": _s(66), "ood": _s(62)}}, "students": students}
+
+
+def _s(acc: float) -> dict:
+    return {"accuracy": acc, "n_pairs": 100, "tie_rate": 0.0, "identical_after_truncation": 0}
+
+
+def _drift(msd: float) -> dict:
+    return {"ood": {"last": {"msd": msd, "cosine": 0.9, "n_sequences": 200},
+                    "middle": {"msd": msd / 2, "cosine": 0.95, "n_sequences": 200}}}
+
+
+def test_tuned_rows_select_on_validation_never_on_test(tmp_path):
+    from anchor_rm.study_report import rows_for, write_study_report
+
+    # Validation prefers lambda 1e-3; test would prefer 1e-1. The tuned row must report 1e-3's test figures.
+    instances = [_instance(seed, {1e-3: 4.0, 1e-1: 1.0}, {1e-3: 61.0 + seed, 1e-1: 70.0}) for seed in (0, 1)]
+    rows = {label: (per_seed, chosen) for label, per_seed, chosen in rows_for(instances)}
+    per_seed, chosen = rows["ANCHOR last (lambda tuned on val)"]
+    assert chosen == ["anchor last lambda=0.001"] * 2
+    assert [m["mean_nts"] for m in per_seed] == [1.0, 2.0]  # test AOG 1 and 2, no ID loss
+    assert rows["ANCHOR last, lambda 0.1"][0][0]["mean_nts"] == 10.0
+    assert rows["naive W2S"][0][0]["wrg"] == 1.0 and rows["naive W2S"][0][0]["ood_drop"] == 2.0
+    assert rows["weak teacher"][0][0]["id_acc"] == 60.0
+    assert math.isclose(rows["naive W2S"][0][0]["pgr"], 1 / 6)
+
+    paths = write_study_report(instances, tmp_path)
+    text = (tmp_path / "tables.md").read_text()
+    assert "| ANCHOR last (lambda tuned on val) | 60.0 ± 0.0 (100) | +0.0 ± 0.0 | +1.5 ± 0.7 | +1.50 ± 0.71 |" in text
+    assert "anchor last lambda=0.001; anchor last lambda=0.001" in text
+    assert "ANCHOR last (lambda tuned on val) minus naive W2S, mean_nts: +2.50 (per seed +2.00, +3.00; SE 0.50, 95% CI -3.86 to +8.86) -> within noise" in text
+    assert all(p.exists() and p.stat().st_size > 0 for p in paths)
+
+
+@pytest.mark.slow
+def test_study_pipeline_runs_logs_and_resumes(tmp_path):
+    args = ["--preset", "smoke", "--categories", "harmless", "--seeds", "0", "--lambdas", "1e-2", "--layers", "last",
+            "--confidence-alphas", "0.75", "--out", str(tmp_path / "out"), "--tracking-uri", f"sqlite:///{tmp_path}/mlflow.db"]
+    first = run_pipeline("study.py", *args, cwd=tmp_path)
+    assert first.returncode == 0, first.stderr[-3000:]
+    assert "[3/3] harmless seed 0 anchor last lambda=0.01" in first.stdout
+    data = json.loads((tmp_path / "out" / "study.json").read_text())
+    (instance,) = data["instances"]
+    assert [s["setting"] for s in instance["students"]] == ["naive", "confidence alpha=0.75", "anchor last lambda=0.01"]
+    for s in instance["students"]:
+        assert set(s["test"]) == {"hh-harmless-base", "pku-saferlhf", "hhh-harmless"}
+        assert set(s["drift"]["pku-saferlhf"]) == {"last", "middle"}
+    assert (tmp_path / "out" / "tables.md").exists() and (tmp_path / "out" / "nts_vs_lambda.png").exists()
+
+    mlflow.set_tracking_uri(f"sqlite:///{tmp_path}/mlflow.db")
+    runs = mlflow.search_runs(experiment_names=["anchor-rm-study"], filter_string="tags.`anchor_rm.stage` = 'study-student'")
+    assert len(runs) == 3 and set(runs["status"]) == {"FINISHED"}
+    assert "metrics.drift/last/msd/pku-saferlhf" in runs.columns
+
+    again = run_pipeline("study.py", *args, cwd=tmp_path)  # resumed: nothing is trained twice
+    assert again.returncode == 0, again.stderr[-3000:]
+    assert again.stdout.count("reused a finished run") == 3 and "training" not in again.stderr
+    assert len(mlflow.search_runs(experiment_names=["anchor-rm-study"])) == len(runs) + 3  # + data, teacher, ceiling
+    assert json.loads((tmp_path / "out" / "study.json").read_text())["instances"] == data["instances"]
+
+
+def test_study_cli_names_bad_arguments(tmp_path):
+    bad = run_pipeline("study.py", "--lambdas", "0,1e-3", "--out", str(tmp_path / "o"),
+                       "--tracking-uri", f"sqlite:///{tmp_path}/m.db", cwd=tmp_path)
+    assert bad.returncode == 2 and "lambdas must be > 0" in bad.stderr
+    bad = run_pipeline("study.py", "--seeds", "a", cwd=tmp_path)
+    assert bad.returncode == 2 and "comma-separated integers" in bad.stderr
+    assert not (tmp_path / "o").exists()  # refused before anything was written
