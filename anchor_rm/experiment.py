@@ -21,7 +21,7 @@ from anchor_rm.config import ProtocolConfig
 from anchor_rm.metrics import transfer_metrics
 from anchor_rm.report import EvaluationReport, build_report, write_report
 from anchor_rm.splits import ProtocolSplits, build_protocol_splits
-from anchor_rm.tracking import StageRun, cache_key, log_json, metric_name, stage_run
+from anchor_rm.tracking import StageRun, artifact_writes, cache_key, log_json, metric_name, stage_run
 from anchor_rm.training import StepLog, TrainConfig
 from anchor_rm.workflow import (
     RewardModel,
@@ -96,11 +96,11 @@ def prepare_data(cfg: ProtocolConfig, experiment_id: str) -> tuple[ProtocolSplit
 
 
 def _log_model(rm: RewardModel, artifact_path: str, extra: dict | None = None) -> None:
-    with tempfile.TemporaryDirectory() as tmp:
+    with tempfile.TemporaryDirectory() as tmp, artifact_writes():
         mlflow.log_artifacts(str(save_reward_model(rm, Path(tmp) / "model", extra)), artifact_path)
 
 
-def _step_logger(prefix: str = "train") -> Callable[[StepLog], None]:
+def step_logger(prefix: str = "train") -> Callable[[StepLog], None]:
     def on_step(entry: StepLog) -> None:
         mlflow.log_metrics(
             {f"{prefix}/loss": entry.loss, f"{prefix}/w2s_loss": entry.w2s_loss,
@@ -121,20 +121,20 @@ def _gold_stage(stage: str, model_name: str, train_cfg: TrainConfig, cfg: Protoc
     """Trains `model_name` on gold labels and scores it on `eval_splits` (teacher: val for the tuning
     objective and test for the report; ceiling: test only)."""
     key = cache_key(STAGE_VERSION, stage, data.outputs["digests"], model_name, train_cfg.to_dict(), cfg.eval_batch_size,
-                    eval_splits)
+                    eval_splits, *(["bf16"] if cfg.eval_bf16 else []))
 
     def compute() -> dict:
         log.info("%s: training %s on %d gold pairs", stage, model_name, len(train_pairs))
         rm = load_pretrained(model_name, train_cfg.max_length, train_cfg.seed)
-        result, _ = train_on_pairs(rm, train_pairs, None, train_cfg, on_step=_step_logger())
+        result, _ = train_on_pairs(rm, train_pairs, None, train_cfg, on_step=step_logger())
         mlflow.log_metric("train/pairs_per_second", result.pairs_seen / max(result.seconds, 1e-9))
         outputs = {"model": model_name, "scores": {}}
         for split in eval_splits:
-            scores = evaluate_model(rm, splits, split, cfg.eval_batch_size)
+            scores = evaluate_model(rm, splits, split, cfg.eval_batch_size, bf16=cfg.eval_bf16)
             _log_scores(split, scores)
             outputs["scores"][split] = scores_to_dict(scores)
         if label_pairs is not None:
-            labels = soft_labels(rm, label_pairs, cfg.eval_batch_size)
+            labels = soft_labels(rm, label_pairs, cfg.eval_batch_size, cfg.eval_bf16)
             outputs["soft_labels"] = labels.tolist()
             mlflow.log_metrics({"soft_labels/mean": float(np.mean(labels)), "soft_labels/agree_with_gold": float(np.mean(labels > 0.5) * 100)})
         _log_model(rm, "model", {"stage": stage})
@@ -180,7 +180,7 @@ def final_report(shared: SharedStages, rm: RewardModel, model_info: dict, eval_b
 
 
 def log_report(report: EvaluationReport, artifact_path: str = "report") -> None:
-    with tempfile.TemporaryDirectory() as tmp:
+    with tempfile.TemporaryDirectory() as tmp, artifact_writes():
         write_report(report, tmp)
         mlflow.log_artifacts(tmp, artifact_path)
     metrics = {"test/wrg": report.wrg, "test/mean_nts": report.mean_nts, "test/id_acc": report.id_split.student_accuracy}
@@ -204,7 +204,7 @@ def train_student(cfg: ProtocolConfig, shared: SharedStages, train_cfg: TrainCon
     history: list[dict] = []
 
     def on_epoch_end(epoch: int, model, optimizer_state: dict) -> dict:
-        scores = evaluate_model(rm, shared.splits, "val", cfg.eval_batch_size)
+        scores = evaluate_model(rm, shared.splits, "val", cfg.eval_batch_size, bf16=cfg.eval_bf16)
         metrics = validation_metrics(shared.splits.source, shared.teacher_scores("val"), scores)
         mlflow.log_metrics(metrics, step=epoch)
         history.append(metrics)
@@ -213,7 +213,7 @@ def train_student(cfg: ProtocolConfig, shared: SharedStages, train_cfg: TrainCon
         return metrics
 
     result, encoded = train_on_pairs(rm, shared.splits.student_train, shared.soft_labels, train_cfg, reference=reference,
-                                     on_step=_step_logger(), on_epoch_end=on_epoch_end)
+                                     on_step=step_logger(), on_epoch_end=on_epoch_end)
     mlflow.log_metrics({"train/pairs_per_second": result.pairs_seen / max(result.seconds, 1e-9),
                         "train/seconds": result.seconds, "train/pairs": len(encoded),
                         "train/identical_after_truncation": encoded.identical_after_truncation})

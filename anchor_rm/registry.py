@@ -9,6 +9,7 @@ moves aliases (`challenger`, `champion`); registry stages are deprecated and nev
 from __future__ import annotations
 
 import json
+import logging
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path
@@ -20,6 +21,9 @@ from mlflow.tracking import MlflowClient
 from mlflow.types import ColSpec, Schema
 
 from anchor_rm.report import EvaluationReport, read_report, write_report
+from anchor_rm.tracking import artifact_writes
+
+log = logging.getLogger("anchor_rm")
 
 CHALLENGER = "challenger"
 CHAMPION = "champion"
@@ -115,7 +119,7 @@ def log_and_register(model_folder: str | Path, report: EvaluationReport, name: s
     run = mlflow.active_run()
     if run is None:
         raise RuntimeError("log_and_register needs an active MLflow run")
-    with tempfile.TemporaryDirectory() as tmp:
+    with tempfile.TemporaryDirectory() as tmp, artifact_writes():
         report_dir = Path(tmp) / REPORT_ARTIFACT
         write_report(report, report_dir)
         for filename, path in (extra_artifacts or {}).items():
@@ -129,11 +133,21 @@ def log_and_register(model_folder: str | Path, report: EvaluationReport, name: s
             input_example=INPUT_EXAMPLE,
             pip_requirements=_requirements(),
         )
+    # Everything above wrote files (a full disk or an unwritable artifact location fails there, before any
+    # version exists); a version is created only once its model and report are complete.
     version = mlflow.register_model(info.model_uri, name, tags=headline_tags(report))
     client = MlflowClient()
-    client.update_model_version(name, version.version, description=describe(report))
-    client.set_model_version_tag(name, version.version, "run_id", run.info.run_id)
-    client.set_registered_model_alias(name, CHALLENGER, version.version)
+    try:
+        client.update_model_version(name, version.version, description=describe(report))
+        client.set_model_version_tag(name, version.version, "run_id", run.info.run_id)
+        client.set_registered_model_alias(name, CHALLENGER, version.version)
+    except BaseException:
+        # A version without its description, run tag or alias is half-written: remove it, then fail.
+        try:
+            client.delete_model_version(name, version.version)
+        except Exception as exc:
+            log.error("could not remove the half-written version %s/%s: %s", name, version.version, exc)
+        raise
     return RegisteredVersion(name, str(version.version), run.info.run_id, f"models:/{name}/{version.version}")
 
 

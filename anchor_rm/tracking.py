@@ -9,6 +9,7 @@ import hashlib
 import json
 import os
 import tempfile
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable
@@ -98,8 +99,20 @@ def stage_run(
     return StageRun(run.info.run_id, outputs, reused=False)
 
 
+@contextmanager
+def artifact_writes():
+    """A failed artifact write (disk full, read-only or unwritable folder) often says only "No space left on
+    device"; name the active run's artifact location in it."""
+    try:
+        yield
+    except OSError as exc:
+        if exc.filename is None and mlflow.active_run() is not None:
+            raise OSError(exc.errno, exc.strerror or str(exc), mlflow.get_artifact_uri()) from exc
+        raise
+
+
 def log_json(obj: Any, artifact_file: str) -> None:
-    with tempfile.TemporaryDirectory() as tmp:
+    with tempfile.TemporaryDirectory() as tmp, artifact_writes():
         path = Path(tmp) / Path(artifact_file).name
         path.write_text(json.dumps(obj, indent=2, sort_keys=True))
         parent = str(Path(artifact_file).parent)

@@ -37,6 +37,23 @@ def clean_errors():
             raise
         print(f"error: {exc}", file=sys.stderr)
         sys.exit(2)
+    except OSError as exc:  # disk full, read-only or unwritable folder (artifacts, checkpoints, reports)
+        if os.environ.get("ANCHOR_RM_DEBUG"):
+            raise
+        print(f"error: {os_error_line(exc)}", file=sys.stderr)
+        sys.exit(2)
     except KeyboardInterrupt:
         print("interrupted", file=sys.stderr)
         sys.exit(130)
+
+
+def os_error_line(exc: OSError) -> str:
+    """One line naming the path and what the system said ("No space left on device", "Read-only file system")."""
+    import shutil
+
+    if isinstance(exc, shutil.Error) and exc.args and isinstance(exc.args[0], list) and exc.args[0]:
+        source, target, why = exc.args[0][0]  # copytree gathers one (source, target, reason) per file
+        return f"{target}: {why}"
+    if exc.filename is not None:
+        return f"{exc.filename}: {exc.strerror or exc}"
+    return str(exc)

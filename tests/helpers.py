@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import signal
 import socket
 import subprocess
 import sys
@@ -35,27 +36,48 @@ def wait_http(url: str, timeout: float = 90.0, proc: subprocess.Popen | None = N
     raise TimeoutError(f"{url} did not answer within {timeout} s")
 
 
-@contextmanager
-def mlflow_server(workdir: Path):
-    """A real tracking server with a SQLite store and proxied artifacts, on a free local port."""
-    port = free_port()
-    log = open(workdir / "mlflow-server.log", "w")
+def start_mlflow_server(workdir: Path, port: int) -> subprocess.Popen:
+    """`mlflow server` on 127.0.0.1:port with workdir's SQLite store and artifacts; returns once it answers.
+    Started again with the same workdir and port, it is the same server after an outage."""
+    log = open(workdir / "mlflow-server.log", "a")
     proc = subprocess.Popen(
         [str(Path(PYTHON).parent / "mlflow"), "server", "--host", "127.0.0.1", "--port", str(port),
          "--backend-store-uri", f"sqlite:///{workdir / 'server.db'}",
          "--artifacts-destination", str(workdir / "server-artifacts"), "--workers", "1"],
         stdout=log, stderr=subprocess.STDOUT, cwd=workdir, start_new_session=True,
     )
+    log.close()  # the child keeps its own descriptor
     try:
         wait_http(f"http://127.0.0.1:{port}/health", proc=proc)
+    except BaseException:
+        stop_process_group(proc)
+        raise
+    return proc
+
+
+def stop_process_group(proc: subprocess.Popen, timeout: float = 20) -> None:
+    """SIGTERM to the process and its children (started with start_new_session), then SIGKILL if needed."""
+    if proc.poll() is not None:
+        return
+    try:
+        os.killpg(proc.pid, signal.SIGTERM)
+        proc.wait(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait(timeout=timeout)
+    except ProcessLookupError:
+        pass
+
+
+@contextmanager
+def mlflow_server(workdir: Path):
+    """A real tracking server with a SQLite store and proxied artifacts, on a free local port."""
+    port = free_port()
+    proc = start_mlflow_server(workdir, port)
+    try:
         yield f"http://127.0.0.1:{port}"
     finally:
-        proc.terminate()
-        try:
-            proc.wait(timeout=20)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-        log.close()
+        stop_process_group(proc)
 
 
 def run_pipeline(script: str, *args: str, cwd: Path, env: dict | None = None, timeout: int = 900) -> subprocess.CompletedProcess:

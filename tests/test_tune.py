@@ -23,7 +23,7 @@ def test_tune_smoke_on_a_ray_cluster_and_tracking_server_then_promote_and_load(t
         assert f"registered: models:/{NAME}/1 (alias challenger)" in result.stdout
         assert "| naive W2S |" in result.stdout and "| confidence W2S |" in result.stdout
 
-        client = MlflowClient(uri)
+        client = MlflowClient(uri, registry_uri=uri)
         version = client.get_model_version_by_alias(NAME, "challenger")
         assert str(version.version) == "1"
         for tag in ("mean_nts", "wrg", "id_accuracy", "test_splits_digest", "selection_splits"):

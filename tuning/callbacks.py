@@ -54,19 +54,31 @@ class MlflowTrialStatus(Callback):
         self.parent_run_id = parent_run_id
 
     def _close(self, trial, status: str, note: str) -> None:
-        client = MlflowClient(self.tracking_uri)
-        run_id = find_child_run(client, self.experiment_id, self.parent_run_id, trial.trial_id)
-        if run_id is None:
-            return
-        client.set_tag(run_id, "anchor_rm.trial_outcome", note)
-        client.set_terminated(run_id, status=status)
+        try:
+            client = MlflowClient(self.tracking_uri)
+            run_id = find_child_run(client, self.experiment_id, self.parent_run_id, trial.trial_id)
+            if run_id is None:
+                return
+            client.set_tag(run_id, "anchor_rm.trial_outcome", note[:5000])
+            client.set_terminated(run_id, status=status)
+        except Exception as exc:  # the tracking server may be the failure: say so, and let Tune carry on
+            log.error("trial %s: could not mark its MLflow run %s (%s): %s", trial.trial_id, status, note[:300],
+                      str(exc).splitlines()[0][:300])
 
     def on_trial_complete(self, iteration, trials, trial, **info):
         epochs = (trial.last_result or {}).get("training_iteration", 0)
         self._close(trial, RunStatus.to_string(RunStatus.FINISHED), f"completed after {epochs} epoch(s)")
 
     def on_trial_error(self, iteration, trials, trial, **info):
-        self._close(trial, RunStatus.to_string(RunStatus.FAILED), "failed; see the Ray trial log")
+        self._close(trial, RunStatus.to_string(RunStatus.FAILED), f"failed: {error_summary(trial)}")
+
+
+def error_summary(trial) -> str:
+    """The last line of the trial's error (the exception itself), and where Ray keeps the full trace."""
+    error = trial.get_error()
+    lines = [line.strip() for line in str(error or "").splitlines() if line.strip()]
+    last = lines[-1] if lines else "unknown error"
+    return f"{last} (full trace: {trial.error_file})" if trial.error_file else last
 
 
 class ProgressLog(Callback):

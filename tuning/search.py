@@ -19,7 +19,7 @@ from ray import tune
 
 from tuning.callbacks import MlflowTrialStatus, ProgressLog
 from tuning.space import METRIC, make_scheduler, make_searcher
-from tuning.trainable import DRIVER_CPU, SharedPayload, trial_driver
+from tuning.trainable import DRIVER_CPU, KILL_WORKER_ENV, SharedPayload, trial_driver
 
 log = logging.getLogger("anchor_rm")
 
@@ -51,7 +51,15 @@ def _outcomes(grid) -> list[TrialOutcome]:
     return outcomes
 
 
+# Tune saves its experiment state (which trials finished) at most every 10 s by default: a driver killed in
+# that window would, on --resume, run a finished trial again. The state is a few kB; save it every second.
+EXPERIMENT_STATE_PERIOD_S = "1"
+
+
 def _tuner(path: Path, trainable, param_space: dict, tune_config: tune.TuneConfig, callbacks, resume: bool) -> tune.Tuner:
+    import os
+
+    os.environ.setdefault("TUNE_GLOBAL_CHECKPOINT_S", EXPERIMENT_STATE_PERIOD_S)  # read when the Tuner starts
     if resume and tune.Tuner.can_restore(str(path)):
         log.info("resuming Tune experiment %s", path)
         return tune.Tuner.restore(str(path), trainable=trainable, resume_unfinished=True, resume_errored=True,
@@ -102,7 +110,8 @@ def best_trial(outcomes: list[TrialOutcome]) -> TrialOutcome:
 
 # Passed to every Ray worker, including those of a cluster started elsewhere (`ray start`).
 WORKER_ENV_VARS = ("HF_HUB_OFFLINE", "TOKENIZERS_PARALLELISM", "TRANSFORMERS_VERBOSITY", "HF_HUB_DISABLE_PROGRESS_BARS",
-                   "ANCHOR_RM_CACHE", "ANCHOR_RM_DATA_DIR", "MLFLOW_TRACKING_URI")
+                   "ANCHOR_RM_CACHE", "ANCHOR_RM_DATA_DIR", "MLFLOW_TRACKING_URI", "ANCHOR_RM_MLFLOW_OUTAGE_SECONDS",
+                   "MLFLOW_HTTP_REQUEST_MAX_RETRIES", "MLFLOW_HTTP_REQUEST_BACKOFF_FACTOR", KILL_WORKER_ENV)
 
 
 def init_ray(address: str | None, num_cpus: int | None = None) -> None:

@@ -9,6 +9,9 @@ checkpoint keeps writing to the same run instead of opening a duplicate.
 
 from __future__ import annotations
 
+import logging
+import os
+import signal
 import tempfile
 import time
 from dataclasses import dataclass, field
@@ -21,6 +24,26 @@ from anchor_rm.splits import ProtocolSplits
 from tuning.space import METRIC, trial_method_config
 
 TRAINING_STATE = "training_state.pt"
+log = logging.getLogger("anchor_rm")
+
+# Test-only fault injection (tests/test_reliability.py): "<step>:<marker file>" makes the rank-0 worker
+# SIGKILL itself when it finishes that training step, once (the marker file remembers), so that a test can
+# watch Ray Train restore the trial from its last checkpoint. Unset, nothing happens.
+KILL_WORKER_ENV = "ANCHOR_RM_TEST_KILL_WORKER_AT"
+
+
+def _kill_once_at(step: int) -> None:
+    spec = os.environ.get(KILL_WORKER_ENV)
+    if not spec:
+        return
+    at, marker = spec.split(":", 1)
+    if step != int(at):
+        return
+    try:
+        os.close(os.open(marker, os.O_CREAT | os.O_EXCL | os.O_WRONLY))  # atomic: only the first one dies
+    except FileExistsError:
+        return
+    os.kill(os.getpid(), signal.SIGKILL)
 
 
 @dataclass
@@ -50,15 +73,39 @@ def _train_config(payload: SharedPayload, config: dict):
     return TrainConfig(**{**payload.cfg.student_train.to_dict(), **trial_method_config(config)})
 
 
-class _MlflowLogger:
-    """Rank 0's writer to the trial's run: batched, so a remote tracking server sees few requests."""
+class TrackingUnavailable(RuntimeError):
+    """Metric values could not be delivered to the tracking server within the allowed outage."""
 
-    def __init__(self, tracking_uri: str, run_id: str, active: bool):
+
+class _MlflowLogger:
+    """Rank 0's writer to the trial's run: batched, so a remote tracking server sees few requests.
+
+    The server may be unreachable for a while (MLflow's client already retries each request for a few
+    minutes). A batch it did not take stays pending, at most `max_pending` values, and is sent again after a
+    backoff while training goes on. Before each checkpoint `deliver` insists: it retries for up to
+    `outage_seconds` (ANCHOR_RM_MLFLOW_OUTAGE_SECONDS, default 600) and then raises TrackingUnavailable,
+    naming the run and how many values are undelivered. The trial then fails loudly (Ray Train retries it
+    from its last checkpoint; Tune marks its run FAILED) instead of checkpointing past metrics that never
+    arrived: no value is dropped silently.
+    """
+
+    BATCH_LIMIT = 1000  # MLflow's log_batch limit
+    FLUSH_AT = 200
+
+    def __init__(self, tracking_uri: str, run_id: str, active: bool, outage_seconds: float | None = None,
+                 max_pending: int = 100_000):
         from mlflow.tracking import MlflowClient
 
         self.client = MlflowClient(tracking_uri) if active else None
+        self.tracking_uri = tracking_uri
         self.run_id = run_id
         self.pending = []
+        self.outage_seconds = (float(os.environ.get("ANCHOR_RM_MLFLOW_OUTAGE_SECONDS", "600"))
+                               if outage_seconds is None else outage_seconds)
+        self.max_pending = max_pending
+        self.failures = 0  # consecutive failed attempts
+        self.next_attempt = 0.0  # time.monotonic() before which add() does not try again
+        self.last_error = ""
 
     def add(self, metrics: dict[str, float], step: int) -> None:
         if self.client is None:
@@ -67,19 +114,51 @@ class _MlflowLogger:
 
         now = int(time.time() * 1000)
         self.pending += [Metric(key, float(value), now, step) for key, value in metrics.items()]
-        if len(self.pending) >= 200:
+        if len(self.pending) >= self.max_pending:
+            self.deliver()  # the buffer is full: wait for the server (or fail) rather than drop values
+        elif len(self.pending) >= self.FLUSH_AT and time.monotonic() >= self.next_attempt:
             self.flush()
 
-    def flush(self) -> None:
-        if self.client is not None and self.pending:
-            for start in range(0, len(self.pending), 1000):  # MLflow's log_batch limit
-                self.client.log_batch(self.run_id, metrics=self.pending[start : start + 1000])
-            self.pending = []
+    def flush(self) -> bool:
+        """One attempt to send everything pending. A batch the server did not take stays pending (and the
+        next attempt waits 2, 4, ... 60 s); returns whether nothing is pending any more."""
+        from mlflow.exceptions import MlflowException
+
+        while self.client is not None and self.pending:
+            batch = self.pending[: self.BATCH_LIMIT]
+            try:
+                self.client.log_batch(self.run_id, metrics=batch)
+            except MlflowException as exc:
+                status = exc.get_http_status_code()
+                if 400 <= status < 500 and status != 429:  # the request itself is wrong: retrying cannot help
+                    raise
+                self.failures += 1
+                self.last_error = str(exc).splitlines()[0][:300]
+                delay = min(60.0, 2.0 ** self.failures)
+                self.next_attempt = time.monotonic() + delay
+                log.warning("MLflow run %s: %d metric values not delivered yet (%s); next attempt in %.0f s",
+                            self.run_id, len(self.pending), self.last_error, delay)
+                return False
+            del self.pending[: len(batch)]
+        self.failures, self.next_attempt = 0, 0.0
+        return True
+
+    def deliver(self) -> None:
+        """Send everything pending, retrying with backoff for up to outage_seconds; raise if that fails."""
+        deadline = time.monotonic() + self.outage_seconds
+        while not self.flush():
+            if time.monotonic() >= deadline:
+                raise TrackingUnavailable(
+                    f"MLflow tracking server {self.tracking_uri} unreachable for over {self.outage_seconds:.0f} s: "
+                    f"{len(self.pending)} metric values of run {self.run_id} not delivered ({self.last_error})")
+            time.sleep(max(0.0, min(self.next_attempt, deadline) - time.monotonic()))
 
 
 def train_loop_per_worker(config: dict) -> None:
     """Ray Train's per-worker function: build the student, resume from the latest checkpoint if any, train,
     and after each epoch evaluate on the validation splits (rank 0), checkpoint and report."""
+    import resource
+
     import ray.train
     import ray.train.torch
 
@@ -112,9 +191,18 @@ def train_loop_per_worker(config: dict) -> None:
         logger.client.set_tag(config["mlflow_run_id"], "anchor_rm.resumed_from_epoch", str(start_epoch - 1))
     teacher_val = scores_from_dict(payload.teacher_val)
 
+    # After a restart the steps of the interrupted epoch run (and are logged) again: the first of them carries
+    # train/resumed_from_epoch, so a step logged twice in the history is explained by the metric beside it.
+    resume_marker = [start_epoch > 0]
+
     def on_step(entry) -> None:
         logger.add({"train/loss": entry.loss, "train/w2s_loss": entry.w2s_loss,
                     "train/anchor_loss": entry.anchor_loss, "train/lr": entry.learning_rate}, entry.step)
+        if resume_marker[0]:
+            logger.add({"train/resumed_from_epoch": start_epoch - 1}, entry.step)
+            resume_marker[0] = False
+        if rank == 0:
+            _kill_once_at(entry.step)
 
     def on_epoch_end(epoch: int, model, opt_state: dict) -> dict:
         metrics = {}
@@ -122,18 +210,21 @@ def train_loop_per_worker(config: dict) -> None:
             if rank == 0:
                 scores = evaluate_model(rm, payload.splits, "val", cfg.eval_batch_size)
                 metrics = validation_metrics(payload.splits.source, teacher_val, scores)
+                metrics["worker/peak_rss_mb"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
                 logger.add(metrics, epoch)
-                logger.flush()
+                logger.deliver()  # every value up to here reaches MLflow before the checkpoint exists
                 save_reward_model(rm, tmp, {"method": train_cfg.method, "teacher": cfg.teacher})
                 torch.save({"epoch": epoch, "optimizer_state": opt_state}, Path(tmp) / TRAINING_STATE)
             tune_metrics = {METRIC: metrics.get("val/mean_nts", 0.0), "val_wrg": metrics.get("val/wrg", 0.0),
-                            "val_id_acc": metrics.get(f"val/acc/{payload.splits.source}", 0.0), "epoch": epoch}
+                            "val_id_acc": metrics.get(f"val/acc/{payload.splits.source}", 0.0), "epoch": epoch,
+                            # This worker's peak resident memory so far, evaluation included (Linux: ru_maxrss in KiB).
+                            "worker_peak_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024}
             ray.train.report(tune_metrics, checkpoint=ray.train.Checkpoint.from_directory(tmp) if rank == 0 else None)
         return metrics
 
     train_on_pairs(rm, payload.splits.student_train, payload.soft_labels, train_cfg, reference=reference,
                    on_step=on_step, on_epoch_end=on_epoch_end, start_epoch=start_epoch, optimizer_state=optimizer_state)
-    logger.flush()
+    logger.deliver()
 
 
 def trial_driver(config: dict, payload: SharedPayload) -> None:

@@ -1,0 +1,379 @@
+"""Faults during training, tuning and registration, on real components (docs/reliability.md):
+
+- the MLflow tracking server stopped and started again (same port, same store) while a trial logs metrics:
+  every value arrives, once; an outage longer than allowed fails loudly with the run and the count;
+- an unwritable or full artifact location: one line naming the path, exit code 2, no model version;
+- a failure after the version was created: the half-written version is removed;
+- a Ray Train worker SIGKILLed mid-epoch and then the tune driver SIGKILLed after its first trial, on a
+  `ray start` cluster with an `mlflow server`: `tune.py --resume` finishes, nothing is redone or duplicated,
+  the registry gets exactly one version.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+import subprocess
+import threading
+import time
+from collections import Counter
+from pathlib import Path
+
+import mlflow
+import pytest
+from mlflow.tracking import MlflowClient
+
+from anchor_rm import registry
+from anchor_rm.encoding import RewardEncoder
+from anchor_rm.report import SplitResult, build_report
+from anchor_rm.tracking import configure
+from anchor_rm.workflow import RewardModel, save_reward_model
+from helpers import (PYTHON, ROOT, free_port, mlflow_server, ray_head, run_pipeline, start_mlflow_server,
+                     stop_process_group)
+from tuning.trainable import KILL_WORKER_ENV, TrackingUnavailable, _MlflowLogger
+
+NAME = "anchor-rm-helpful"
+
+
+@pytest.fixture
+def restore_mlflow_uris():
+    before = mlflow.get_tracking_uri(), mlflow.get_registry_uri()
+    saved_env = {k: os.environ.pop(k, None) for k in ("MLFLOW_TRACKING_URI", "MLFLOW_REGISTRY_URI")}
+    yield
+    mlflow.set_tracking_uri(before[0])
+    mlflow.set_registry_uri(before[1])
+    for k, v in saved_env.items():
+        if v is not None:
+            os.environ[k] = v
+
+
+# --- the tracking server unreachable for a while ------------------------------------------------------
+
+
+def _steps(client: MlflowClient, run_id: str, key: str) -> Counter:
+    return Counter(m.step for m in client.get_metric_history(run_id, key))
+
+
+@pytest.mark.slow
+def test_metrics_logged_during_a_tracking_server_outage_all_arrive_once(tmp_path, monkeypatch):
+    # One attempt per request instead of MLflow's ~4 minutes of retries, so that the outage shows quickly.
+    monkeypatch.setenv("MLFLOW_HTTP_REQUEST_MAX_RETRIES", "0")
+    port = free_port()
+    uri = f"http://127.0.0.1:{port}"
+    server = start_mlflow_server(tmp_path, port)
+    try:
+        client = MlflowClient(uri)
+        run_id = client.create_run(client.create_experiment("outage")).info.run_id
+        logger = _MlflowLogger(uri, run_id, active=True, outage_seconds=180)
+        for step in range(5):
+            logger.add({"train/loss": 1.0 / (step + 1), "train/lr": 1e-4}, step)
+        logger.deliver()
+
+        stop_process_group(server)  # the outage
+        for step in range(5, 130):  # 250 values: add() tries to flush at 200 and fails
+            logger.add({"train/loss": 1.0 / (step + 1), "train/lr": 1e-4}, step)
+        assert logger.failures >= 1 and len(logger.pending) == 250  # kept, not dropped
+        assert not logger.flush() and len(logger.pending) == 250
+
+        delivered = threading.Event()
+        errors: list[BaseException] = []
+
+        def deliver() -> None:  # what a worker does before its checkpoint: wait for the server
+            try:
+                logger.deliver()
+                delivered.set()
+            except BaseException as exc:
+                errors.append(exc)
+
+        waiting = threading.Thread(target=deliver)
+        waiting.start()
+        time.sleep(3)
+        assert not delivered.is_set()
+        server = start_mlflow_server(tmp_path, port)  # back, same port, same store
+        waiting.join(timeout=150)
+        assert delivered.is_set() and not errors, errors
+        assert logger.pending == []
+        for key in ("train/loss", "train/lr"):
+            steps = _steps(client, run_id, key)
+            assert sorted(steps) == list(range(130)) and set(steps.values()) == {1}, key
+    finally:
+        stop_process_group(server)
+
+
+@pytest.mark.slow
+def test_tracking_outage_longer_than_allowed_fails_loudly_and_keeps_the_values(tmp_path, monkeypatch):
+    monkeypatch.setenv("MLFLOW_HTTP_REQUEST_MAX_RETRIES", "0")
+    port = free_port()
+    uri = f"http://127.0.0.1:{port}"
+    server = start_mlflow_server(tmp_path, port)
+    client = MlflowClient(uri)
+    run_id = client.create_run(client.create_experiment("long-outage")).info.run_id
+    stop_process_group(server)
+    logger = _MlflowLogger(uri, run_id, active=True, outage_seconds=4)
+    logger.add({"val/mean_nts": 1.5}, 0)
+    started = time.monotonic()
+    with pytest.raises(TrackingUnavailable) as err:
+        logger.deliver()
+    assert 4 <= time.monotonic() - started < 60
+    message = str(err.value)
+    assert uri in message and run_id in message and "1 metric values" in message and "not delivered" in message
+    assert len(logger.pending) == 1
+
+
+# --- unwritable or full artifact location --------------------------------------------------------------
+
+
+def _tiny_model_folder(path: Path, tokenizer) -> Path:
+    import torch
+    from transformers import BertConfig, BertForSequenceClassification
+
+    torch.manual_seed(0)
+    config = BertConfig(vocab_size=tokenizer.vocab_size, hidden_size=32, num_hidden_layers=2, num_attention_heads=2,
+                        intermediate_size=64, num_labels=1, pad_token_id=tokenizer.pad_token_id)
+    rm = RewardModel(BertForSequenceClassification(config), tokenizer, RewardEncoder(tokenizer, 48, decoder=False),
+                     "tiny-bert")
+    return save_reward_model(rm, path)
+
+
+def _report():
+    rows = [SplitResult("hh-helpful-base", "id", "test", 470, 60.0, 61.0, None, 0.0),
+            SplitResult("pandalm", "ood", "test", 300, 50.0, 55.0, None, 0.0)]
+    return build_report({"name": NAME, "student": "tiny-bert", "teacher": "tiny", "method": "anchor",
+                         "hyperparameters": {}}, rows, selection_splits="val", figure_splits="test",
+                        data_digests={"hh-helpful-base/id_test": "a" * 64, "pandalm/test": "b" * 64})
+
+
+def _mount_tmpfs(path: Path, size: str) -> bool:
+    path.mkdir(parents=True, exist_ok=True)
+    if os.geteuid() != 0:
+        return False
+    return subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(path)],
+                          capture_output=True).returncode == 0
+
+
+def _fill(path: Path) -> None:
+    """Write until the file system says it is full."""
+    with open(path / "filler", "wb") as f:
+        try:
+            while True:
+                f.write(b"\0" * 65536)
+                f.flush()
+        except OSError as exc:
+            assert exc.errno == 28, exc  # ENOSPC
+
+
+@pytest.fixture
+def full_disk(tmp_path):
+    """A 2 MB tmpfs, filled: the real 'No space left on device'. Needs root (mount); skipped otherwise."""
+    mount = tmp_path / "small-disk"
+    if not _mount_tmpfs(mount, "2m"):
+        pytest.skip("mounting a small tmpfs needs root; the not-a-directory case covers the rest")
+    try:
+        yield mount
+    finally:
+        subprocess.run(["umount", "-l", str(mount)], capture_output=True)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("case", ["not-a-directory", "disk-full"])
+def test_unwritable_artifact_location_is_one_line_and_exit_2(tmp_path, case, request):
+    """tune.py against a store whose artifact location cannot be written: it stops at the first artifact
+    (the data stage), with one line naming the path and what the system said, and registers nothing."""
+    if case == "not-a-directory":
+        (tmp_path / "mlartifacts").write_text("a file where the artifact folder should be\n")
+        artifacts = tmp_path / "mlartifacts"
+    else:
+        artifacts = request.getfixturevalue("full_disk") / "mlartifacts"
+        artifacts.mkdir()
+        _fill(artifacts.parent)
+    db = tmp_path / "mlflow.db"
+    store = f"sqlite:///{db}"
+    client = MlflowClient(store, registry_uri=store)  # explicit: another test may have set a global registry
+    client.create_experiment(NAME, artifact_location=artifacts.as_uri())
+    result = run_pipeline("tune.py", "--preset", "smoke", "--tracking-uri", store, "--storage-path",
+                          str(tmp_path / "ray"), cwd=tmp_path, timeout=600)
+    assert result.returncode == 2, result.stderr[-3000:]
+    lines = [line for line in result.stderr.splitlines() if line.startswith("error: ")]
+    assert len(lines) == 1 and "Traceback" not in result.stderr, result.stderr[-3000:]
+    assert str(artifacts) in lines[0], lines[0]
+    assert ("Not a directory" if case == "not-a-directory" else "No space left on device") in lines[0], lines[0]
+    assert client.search_model_versions(f"name = '{NAME}'") == []
+    failed = client.search_runs([client.get_experiment_by_name(NAME).experiment_id])
+    assert failed and all(r.info.status == "FAILED" for r in failed)  # the stage run says it failed
+
+
+@pytest.mark.slow
+def test_disk_full_while_logging_the_model_creates_no_version(tmp_path, full_disk, minilm_tokenizer,
+                                                              restore_mlflow_uris):
+    folder = _tiny_model_folder(tmp_path / "model", minilm_tokenizer)  # ~4 MB of weights: more than the disk
+    store = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    mlflow.set_tracking_uri(store)
+    mlflow.set_registry_uri(store)
+    experiment = MlflowClient().create_experiment("disk-full", artifact_location=(full_disk / "art").as_uri())
+    with pytest.raises(OSError) as err:
+        with mlflow.start_run(experiment_id=experiment):
+            registry.log_and_register(folder, _report(), NAME)
+    assert "No space left on device" in str(err.value) or err.value.errno == 28
+    assert MlflowClient().search_model_versions(f"name = '{NAME}'") == []
+
+
+@pytest.mark.slow
+def test_failure_after_the_version_exists_removes_it(tmp_path, minilm_tokenizer, restore_mlflow_uris, monkeypatch):
+    folder = _tiny_model_folder(tmp_path / "model", minilm_tokenizer)
+    configure(f"sqlite:///{tmp_path / 'mlflow.db'}", "half-written")
+    with mlflow.start_run():
+        first = registry.log_and_register(folder, _report(), NAME)
+
+    def refuse(self, name, alias, version):
+        raise OSError(28, "No space left on device")  # the store fails between version and alias
+
+    monkeypatch.setattr(MlflowClient, "set_registered_model_alias", refuse)
+    with pytest.raises(OSError, match="No space left"):
+        with mlflow.start_run():
+            registry.log_and_register(folder, _report(), NAME)
+    monkeypatch.undo()
+    versions = MlflowClient().search_model_versions(f"name = '{NAME}'")
+    assert [str(v.version) for v in versions] == [first.version]
+    assert str(MlflowClient().get_model_version_by_alias(NAME, "challenger").version) == first.version
+
+
+def test_a_trial_that_fails_is_marked_failed_with_its_error(tmp_path, restore_mlflow_uris):
+    """What Tune's callback writes when a trial gives up, e.g. after the tracking server stayed away."""
+    from ray.tune.error import TuneError
+
+    from tuning.callbacks import PARENT_TAG, TRIAL_TAG, MlflowTrialStatus
+
+    store = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    client = MlflowClient(store, registry_uri=store)
+    experiment = client.create_experiment("failed-trial")
+    parent = client.create_run(experiment).info.run_id
+    run = client.create_run(experiment, tags={PARENT_TAG: parent, TRIAL_TAG: "abc_00001"}).info.run_id
+    cause = (f"TrackingUnavailable: MLflow tracking server http://127.0.0.1:1 unreachable for over 600 s: "
+             f"12 metric values of run {run} not delivered (connection refused)")
+
+    class FailedTrial:  # the three attributes of ray.tune's Trial that the callback reads
+        trial_id = "abc_00001"
+        error_file = str(tmp_path / "error.txt")
+
+        def get_error(self):
+            return TuneError(f"Traceback (most recent call last):\n  File ...\n{cause}")
+
+    MlflowTrialStatus(store, experiment, parent).on_trial_error(0, [], FailedTrial())
+    closed = client.get_run(run)
+    assert closed.info.status == "FAILED"
+    assert closed.data.tags["anchor_rm.trial_outcome"] == f"failed: {cause} (full trace: {tmp_path / 'error.txt'})"
+
+
+@pytest.mark.slow
+def test_a_file_with_no_pair_left_after_filtering_is_one_line_naming_it(tmp_path, minilm_tokenizer):
+    folder = _tiny_model_folder(tmp_path / "model", minilm_tokenizer)
+    data = tmp_path / "all-ties.jsonl"
+    data.write_bytes(b'{"prompt": "p", "chosen": "same", "rejected": "same"}\n'
+                     b'{"prompt": "q", "chosen": "  ", "rejected": "b"}\n'
+                     b'{"prompt": "r", "chosen": "caf\xe9", "rejected": "b"}\n')  # not UTF-8: skipped
+    result = run_pipeline("evaluate.py", "--model", str(folder), "--data", str(data), "--skip-invalid", "--no-log",
+                          "--out", str(tmp_path / "out"), cwd=tmp_path, timeout=600)
+    assert result.returncode == 2, result.stderr[-3000:]
+    errors = [line for line in result.stderr.splitlines() if line.startswith("error: ")]
+    assert len(errors) == 1 and "Traceback" not in result.stderr, result.stderr[-3000:]
+    assert str(data) in errors[0] and "no pair left after cleaning" in errors[0], errors[0]
+
+
+# --- a worker and then the driver killed during tune.py -----------------------------------------------
+
+
+def _wait_for_line(path: Path, pattern: str, proc: subprocess.Popen, timeout: float) -> re.Match:
+    deadline = time.time() + timeout
+    while time.time() < deadline:
+        match = re.search(pattern, path.read_text(errors="replace"))
+        if match:
+            return match
+        if proc.poll() is not None:
+            raise AssertionError(f"tune.py exited with {proc.returncode} first:\n{path.read_text()[-4000:]}")
+        time.sleep(1)
+    raise AssertionError(f"no line matching {pattern!r} within {timeout} s:\n{path.read_text()[-4000:]}")
+
+
+def _assert_history_explained(client: MlflowClient, run_id: str, steps_per_epoch: int, epochs: int) -> list[int]:
+    """Every step of every epoch run is logged; a step logged twice follows a train/resumed_from_epoch marker
+    (the worker restarted from the checkpoint of that epoch and ran the next one again). Returns the marker
+    steps."""
+    markers = {m.step: m.value for m in client.get_metric_history(run_id, "train/resumed_from_epoch")}
+    for key in ("train/loss", "train/w2s_loss", "train/lr"):
+        steps = _steps(client, run_id, key)
+        assert sorted(set(steps)) == list(range(max(steps) + 1)), (key, steps)  # no gap
+        assert (max(steps) + 1) % steps_per_epoch == 0 and max(steps) < steps_per_epoch * epochs
+        for step, count in steps.items():
+            if count > 1:  # a repeat: explained only by a restart at or before it, in the same epoch
+                assert any(m <= step < m + steps_per_epoch for m in markers), (key, step, count, markers)
+                assert count <= 1 + len(markers)
+    for marker, epoch in markers.items():
+        assert marker == (int(epoch) + 1) * steps_per_epoch  # the first step of the epoch after the checkpoint
+    val = _steps(client, run_id, "val/mean_nts")
+    assert sorted(val) == list(range(len(val))) and set(val.values()) == {1}, val  # one value per epoch
+    return sorted(markers)
+
+
+@pytest.mark.slow
+def test_tune_survives_a_killed_worker_and_a_killed_driver(tmp_path):
+    marker = tmp_path / "worker-killed"
+    kill_step = 8  # smoke: 48 pairs, batch 8 -> 6 steps per epoch; step 8 is mid-way through epoch 1
+    env = {KILL_WORKER_ENV: f"{kill_step}:{marker}"}
+    with mlflow_server(tmp_path) as uri, ray_head(tmp_path) as address:
+        args = ["--preset", "smoke", "--num-samples", "1", "--ray-address", address, "--tracking-uri", uri,
+                "--storage-path", str(tmp_path / "ray"), "--name", "faults"]
+        full_env = {k: v for k, v in os.environ.items() if k != "MLFLOW_TRACKING_URI"}
+        full_env.update({"HF_HUB_OFFLINE": "1", **env})
+        log_path = tmp_path / "tune-first.log"
+        started = time.time()
+        with open(log_path, "w") as log:
+            driver = subprocess.Popen([PYTHON, str(ROOT / "pipelines" / "tune.py"), *args], cwd=tmp_path,
+                                      env=full_env, stdout=log, stderr=subprocess.STDOUT)
+        try:
+            finished = _wait_for_line(log_path, r"trial (\w+) finished", driver, timeout=1200)
+            # Tune saves which trials finished every second (tuning/search.py); then the driver dies.
+            time.sleep(4)
+            driver.send_signal(signal.SIGKILL)
+            driver.wait(timeout=60)
+        finally:
+            if driver.poll() is None:
+                driver.kill()
+        first_trial = finished.group(1)
+        first_log = log_path.read_text()
+        print(f"first driver: trial {first_trial} finished, driver SIGKILLed {time.time() - started:.0f} s after start")
+        assert marker.exists(), "the fault hook never fired:\n" + first_log[-3000:]
+        assert "registered:" not in first_log
+
+        resumed_at = time.time()
+        resumed = run_pipeline("tune.py", *args, "--resume", cwd=tmp_path, env=env, timeout=1500)
+        print(f"tune.py --resume finished in {time.time() - resumed_at:.0f} s")
+        assert resumed.returncode == 0, resumed.stdout[-2000:] + resumed.stderr[-4000:]
+        assert f"registered: models:/{NAME}/1 (alias challenger)" in resumed.stdout
+        # the trial that finished before the driver died is not run again
+        assert f"trial {first_trial} epoch" not in resumed.stderr, resumed.stderr[-3000:]
+        assert f"trial {first_trial} epoch 1" in first_log
+
+        client = MlflowClient(uri, registry_uri=uri)
+        assert [str(v.version) for v in client.search_model_versions(f"name = '{NAME}'")] == ["1"]
+        exp = client.get_experiment_by_name(NAME)
+        parents = client.search_runs([exp.experiment_id], "tags.`anchor_rm.stage` = 'tune'")
+        assert len(parents) == 1
+        trials = client.search_runs([exp.experiment_id], "tags.`anchor_rm.stage` = 'trial'")
+        trial_ids = [t.data.tags["anchor_rm.trial_id"] for t in trials]
+        assert len(trials) == 3 and len(set(trial_ids)) == 3, trial_ids  # 2 baselines + 1 sample, no duplicate
+        assert all(t.info.status == "FINISHED" for t in trials), [(t.info.run_id, t.info.status) for t in trials]
+        assert len(client.search_runs([exp.experiment_id], "tags.`anchor_rm.stage` = 'final'")) == 1
+
+        restarted = [t for t in trials if "anchor_rm.resumed_from_epoch" in t.data.tags]
+        assert [t.data.tags["anchor_rm.trial_id"] for t in restarted] == [first_trial]
+        assert restarted[0].data.tags["anchor_rm.resumed_from_epoch"] == "0"
+        for trial in trials:
+            markers = _assert_history_explained(client, trial.info.run_id, steps_per_epoch=6, epochs=2)
+            loss_steps = _steps(client, trial.info.run_id, "train/loss")
+            print(f"trial {trial.data.tags['anchor_rm.trial_id']}: train/loss steps {min(loss_steps)}..{max(loss_steps)}, "
+                  f"logged twice: {sorted(k for k, v in loss_steps.items() if v > 1)}, resume markers at {markers}, "
+                  f"outcome {trial.data.tags.get('anchor_rm.trial_outcome')}")
+            if trial in restarted:
+                assert markers == [6]
+                assert max(_steps(client, trial.info.run_id, "train/loss")) == 11  # it finished epoch 1
