@@ -181,7 +181,11 @@ def train_reward_model(
         {"params": [p for n, p in core.named_parameters() if not n.endswith(no_decay)], "weight_decay": config.weight_decay},
         {"params": [p for n, p in core.named_parameters() if n.endswith(no_decay)], "weight_decay": 0.0},
     ]
-    optimizer = torch.optim.AdamW(groups, lr=config.learning_rate)
+    # The fused kernel updates each parameter in one pass instead of several: 0.15 s -> 0.03 s per optimiser
+    # step for MiniLM-L6 on 2 CPU cores (half its 22.7M parameters are word embeddings with dense gradients);
+    # 1.05-1.17x pairs/s end to end (docs/benchmarks.md). TRL's default optimiser is the same kernel.
+    fused = next(core.parameters()).device.type in ("cpu", "cuda")
+    optimizer = torch.optim.AdamW(groups, lr=config.learning_rate, fused=fused)
     scheduler = _linear_schedule(optimizer, max(1, int(total_steps * config.warmup_fraction)), total_steps)
     if optimizer_state is not None:
         optimizer.load_state_dict(optimizer_state["optimizer"])
