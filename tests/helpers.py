@@ -81,8 +81,9 @@ def mlflow_server(workdir: Path):
 
 
 def run_pipeline(script: str, *args: str, cwd: Path, env: dict | None = None, timeout: int = 900) -> subprocess.CompletedProcess:
-    # The caller's MLFLOW_TRACKING_URI must not leak into a test that checks the default store.
-    full_env = {k: v for k, v in os.environ.items() if k != "MLFLOW_TRACKING_URI"}
+    # The caller's tracking and registry URIs (mlflow.set_registry_uri exports MLFLOW_REGISTRY_URI) must not
+    # leak into a pipeline: its --tracking-uri, or the default store, decides both.
+    full_env = {k: v for k, v in os.environ.items() if k not in ("MLFLOW_TRACKING_URI", "MLFLOW_REGISTRY_URI")}
     full_env.update({"HF_HUB_OFFLINE": "1", **(env or {})})
     return subprocess.run([PYTHON, str(ROOT / "pipelines" / script), *args], cwd=cwd, env=full_env,
                           capture_output=True, text=True, timeout=timeout)

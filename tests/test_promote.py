@@ -339,7 +339,7 @@ def test_two_promotion_processes_racing(register, store, tmp_path):
     v1 = register(make_report(ood=(55.0, 53.0)))
     promote(v1)
     va, vb = register(make_report(ood=(56.0, 54.0))), register(make_report(ood=(57.0, 55.0)))
-    env = {k: v for k, v in os.environ.items() if k != "MLFLOW_TRACKING_URI"}
+    env = {k: v for k, v in os.environ.items() if k not in ("MLFLOW_TRACKING_URI", "MLFLOW_REGISTRY_URI")}
     env.update({"HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1"})
     procs = {v: subprocess.Popen([PYTHON, str(ROOT / "pipelines" / "promote.py"), "--tracking-uri", store,
                                   "--version", v, "--settle-seconds", "1"],

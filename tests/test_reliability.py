@@ -323,7 +323,7 @@ def test_tune_survives_a_killed_worker_and_a_killed_driver(tmp_path):
     with mlflow_server(tmp_path) as uri, ray_head(tmp_path) as address:
         args = ["--preset", "smoke", "--num-samples", "1", "--ray-address", address, "--tracking-uri", uri,
                 "--storage-path", str(tmp_path / "ray"), "--name", "faults"]
-        full_env = {k: v for k, v in os.environ.items() if k != "MLFLOW_TRACKING_URI"}
+        full_env = {k: v for k, v in os.environ.items() if k not in ("MLFLOW_TRACKING_URI", "MLFLOW_REGISTRY_URI")}
         full_env.update({"HF_HUB_OFFLINE": "1", **env})
         log_path = tmp_path / "tune-first.log"
         started = time.time()
