@@ -54,6 +54,7 @@ def test_tune_smoke_on_a_ray_cluster_and_tracking_server_then_promote_and_load(t
         assert str(client.get_model_version_by_alias(NAME, "champion").version) == "1"
 
         mlflow.set_tracking_uri(uri)
+        mlflow.set_registry_uri(uri)  # an earlier test may have set another registry in this process
         model = mlflow.pyfunc.load_model(f"models:/{NAME}@champion")
         frame = pd.DataFrame({"prompt": ["How do I bake bread?"] * 2,
                               "response": ["Mix flour, water, yeast and salt, let it rise, then bake.", "No."]})
