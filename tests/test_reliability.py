@@ -6,7 +6,8 @@
 - a failure after the version was created: the half-written version is removed;
 - a Ray Train worker SIGKILLed mid-epoch and then the tune driver SIGKILLed after its first trial, on a
   `ray start` cluster with an `mlflow server`: `tune.py --resume` finishes, nothing is redone or duplicated,
-  the registry gets exactly one version.
+  the registry gets exactly one version; meanwhile the tracking server is down for 30 s while a resumed trial
+  trains, and every metric value of that trial still arrives, once.
 """
 
 from __future__ import annotations
@@ -29,7 +30,7 @@ from anchor_rm.encoding import RewardEncoder
 from anchor_rm.report import SplitResult, build_report
 from anchor_rm.tracking import configure
 from anchor_rm.workflow import RewardModel, save_reward_model
-from helpers import (PYTHON, ROOT, free_port, mlflow_server, ray_head, run_pipeline, start_mlflow_server,
+from helpers import (PYTHON, ROOT, free_port, ray_head, run_pipeline, start_mlflow_server,
                      stop_process_group)
 from tuning.trainable import KILL_WORKER_ENV, TrackingUnavailable, _MlflowLogger
 
@@ -55,16 +56,21 @@ def _steps(client: MlflowClient, run_id: str, key: str) -> Counter:
     return Counter(m.step for m in client.get_metric_history(run_id, key))
 
 
-@pytest.mark.slow
-def test_metrics_logged_during_a_tracking_server_outage_all_arrive_once(tmp_path, monkeypatch):
-    # One attempt per request instead of MLflow's ~4 minutes of retries, so that the outage shows quickly.
+def _server_with_a_run(workdir: Path, monkeypatch) -> tuple[int, subprocess.Popen, MlflowClient, str]:
+    """A real `mlflow server` on a free port and one run in it. One attempt per request instead of MLflow's
+    ~4 minutes of retries, so that an outage shows quickly."""
     monkeypatch.setenv("MLFLOW_HTTP_REQUEST_MAX_RETRIES", "0")
     port = free_port()
-    uri = f"http://127.0.0.1:{port}"
-    server = start_mlflow_server(tmp_path, port)
+    server = start_mlflow_server(workdir, port)
+    client = MlflowClient(f"http://127.0.0.1:{port}")
+    return port, server, client, client.create_run(client.create_experiment("outage")).info.run_id
+
+
+@pytest.mark.slow
+def test_metrics_logged_during_a_tracking_server_outage_all_arrive_once(tmp_path, monkeypatch):
+    port, server, client, run_id = _server_with_a_run(tmp_path, monkeypatch)
+    uri = client.tracking_uri
     try:
-        client = MlflowClient(uri)
-        run_id = client.create_run(client.create_experiment("outage")).info.run_id
         logger = _MlflowLogger(uri, run_id, active=True, outage_seconds=180)
         for step in range(5):
             logger.add({"train/loss": 1.0 / (step + 1), "train/lr": 1e-4}, step)
@@ -103,12 +109,8 @@ def test_metrics_logged_during_a_tracking_server_outage_all_arrive_once(tmp_path
 
 @pytest.mark.slow
 def test_tracking_outage_longer_than_allowed_fails_loudly_and_keeps_the_values(tmp_path, monkeypatch):
-    monkeypatch.setenv("MLFLOW_HTTP_REQUEST_MAX_RETRIES", "0")
-    port = free_port()
-    uri = f"http://127.0.0.1:{port}"
-    server = start_mlflow_server(tmp_path, port)
-    client = MlflowClient(uri)
-    run_id = client.create_run(client.create_experiment("long-outage")).info.run_id
+    _, server, client, run_id = _server_with_a_run(tmp_path, monkeypatch)
+    uri = client.tracking_uri
     stop_process_group(server)
     logger = _MlflowLogger(uri, run_id, active=True, outage_seconds=4)
     logger.add({"val/mean_nts": 1.5}, 0)
@@ -295,6 +297,15 @@ def _wait_for_line(path: Path, pattern: str, proc: subprocess.Popen, timeout: fl
     raise AssertionError(f"no line matching {pattern!r} within {timeout} s:\n{path.read_text()[-4000:]}")
 
 
+OUTAGE_S = 30  # the tracking server's outage during the resumed tune run
+
+
+def _start_tune(args: list[str], env: dict, log_path: Path) -> subprocess.Popen:
+    with open(log_path, "w") as log:  # stdout and stderr in one file, read while it runs
+        return subprocess.Popen([PYTHON, str(ROOT / "pipelines" / "tune.py"), *args], cwd=log_path.parent, env=env,
+                                stdout=log, stderr=subprocess.STDOUT)
+
+
 def _assert_history_explained(client: MlflowClient, run_id: str, steps_per_epoch: int, epochs: int) -> list[int]:
     """Every step of every epoch run is logged; a step logged twice follows a train/resumed_from_epoch marker
     (the worker restarted from the checkpoint of that epoch and ran the next one again). Returns the marker
@@ -320,60 +331,81 @@ def test_tune_survives_a_killed_worker_and_a_killed_driver(tmp_path):
     marker = tmp_path / "worker-killed"
     kill_step = 8  # smoke: 48 pairs, batch 8 -> 6 steps per epoch; step 8 is mid-way through epoch 1
     env = {KILL_WORKER_ENV: f"{kill_step}:{marker}"}
-    with mlflow_server(tmp_path) as uri, ray_head(tmp_path) as address:
-        args = ["--preset", "smoke", "--num-samples", "1", "--ray-address", address, "--tracking-uri", uri,
-                "--storage-path", str(tmp_path / "ray"), "--name", "faults"]
-        full_env = {k: v for k, v in os.environ.items() if k not in ("MLFLOW_TRACKING_URI", "MLFLOW_REGISTRY_URI")}
-        full_env.update({"HF_HUB_OFFLINE": "1", **env})
-        log_path = tmp_path / "tune-first.log"
-        started = time.time()
-        with open(log_path, "w") as log:
-            driver = subprocess.Popen([PYTHON, str(ROOT / "pipelines" / "tune.py"), *args], cwd=tmp_path,
-                                      env=full_env, stdout=log, stderr=subprocess.STDOUT)
-        try:
-            finished = _wait_for_line(log_path, r"trial (\w+) finished", driver, timeout=1200)
-            # Tune saves which trials finished every second (tuning/search.py); then the driver dies.
-            time.sleep(4)
-            driver.send_signal(signal.SIGKILL)
-            driver.wait(timeout=60)
-        finally:
-            if driver.poll() is None:
-                driver.kill()
-        first_trial = finished.group(1)
-        first_log = log_path.read_text()
-        print(f"first driver: trial {first_trial} finished, driver SIGKILLed {time.time() - started:.0f} s after start")
-        assert marker.exists(), "the fault hook never fired:\n" + first_log[-3000:]
-        assert "registered:" not in first_log
+    port = free_port()
+    uri = f"http://127.0.0.1:{port}"
+    server = start_mlflow_server(tmp_path, port)
+    try:
+        with ray_head(tmp_path) as address:
+            args = ["--preset", "smoke", "--num-samples", "1", "--ray-address", address, "--tracking-uri", uri,
+                    "--storage-path", str(tmp_path / "ray"), "--name", "faults"]
+            full_env = {k: v for k, v in os.environ.items() if k not in ("MLFLOW_TRACKING_URI", "MLFLOW_REGISTRY_URI")}
+            full_env.update({"HF_HUB_OFFLINE": "1", **env})
+            log_path = tmp_path / "tune-first.log"
+            started = time.time()
+            driver = _start_tune(args, full_env, log_path)
+            try:
+                finished = _wait_for_line(log_path, r"trial (\w+) finished", driver, timeout=1200)
+                # Tune saves which trials finished every second (tuning/search.py); then the driver dies.
+                time.sleep(4)
+                driver.send_signal(signal.SIGKILL)
+                driver.wait(timeout=60)
+            finally:
+                if driver.poll() is None:
+                    driver.kill()
+            first_trial = finished.group(1)
+            first_log = log_path.read_text()
+            print(f"first driver: trial {first_trial} finished, driver SIGKILLed {time.time() - started:.0f} s after start")
+            assert marker.exists(), "the fault hook never fired:\n" + first_log[-3000:]
+            assert "registered:" not in first_log
 
-        resumed_at = time.time()
-        resumed = run_pipeline("tune.py", *args, "--resume", cwd=tmp_path, env=env, timeout=1500)
-        print(f"tune.py --resume finished in {time.time() - resumed_at:.0f} s")
-        assert resumed.returncode == 0, resumed.stdout[-2000:] + resumed.stderr[-4000:]
-        assert f"registered: models:/{NAME}/1 (alias challenger)" in resumed.stdout
-        # the trial that finished before the driver died is not run again
-        assert f"trial {first_trial} epoch" not in resumed.stderr, resumed.stderr[-3000:]
-        assert f"trial {first_trial} epoch 1" in first_log
+            # --resume, and while its next trial trains, the tracking server goes away for OUTAGE_S seconds.
+            resumed_at = time.time()
+            resumed_path = tmp_path / "tune-resumed.log"
+            driver = _start_tune([*args, "--resume"], full_env, resumed_path)
+            try:
+                running = _wait_for_line(resumed_path, r"trial (\w+) epoch 0:", driver, timeout=1200).group(1)
+                stop_process_group(server)
+                time.sleep(OUTAGE_S)
+                before_restart = resumed_path.read_text()
+                server = start_mlflow_server(tmp_path, port)  # back, same port, same store
+                returncode = driver.wait(timeout=1500)
+            finally:
+                if driver.poll() is None:
+                    driver.kill()
+            resumed = resumed_path.read_text()
+            print(f"tune.py --resume finished in {time.time() - resumed_at:.0f} s; tracking server down {OUTAGE_S} s "
+                  f"from trial {running}'s epoch 0 on")
+            assert returncode == 0, resumed[-5000:]
+            # the trial could not report epoch 1 while its metrics could not be delivered; it did afterwards
+            assert f"trial {running} epoch 1:" not in before_restart, before_restart[-3000:]
+            assert f"trial {running} epoch 1:" in resumed, resumed[-3000:]
+            assert f"registered: models:/{NAME}/1 (alias challenger)" in resumed
+            # the trial that finished before the driver died is not run again
+            assert f"trial {first_trial} epoch" not in resumed, resumed[-3000:]
+            assert f"trial {first_trial} epoch 1" in first_log
 
-        client = MlflowClient(uri, registry_uri=uri)
-        assert [str(v.version) for v in client.search_model_versions(f"name = '{NAME}'")] == ["1"]
-        exp = client.get_experiment_by_name(NAME)
-        parents = client.search_runs([exp.experiment_id], "tags.`anchor_rm.stage` = 'tune'")
-        assert len(parents) == 1
-        trials = client.search_runs([exp.experiment_id], "tags.`anchor_rm.stage` = 'trial'")
-        trial_ids = [t.data.tags["anchor_rm.trial_id"] for t in trials]
-        assert len(trials) == 3 and len(set(trial_ids)) == 3, trial_ids  # 2 baselines + 1 sample, no duplicate
-        assert all(t.info.status == "FINISHED" for t in trials), [(t.info.run_id, t.info.status) for t in trials]
-        assert len(client.search_runs([exp.experiment_id], "tags.`anchor_rm.stage` = 'final'")) == 1
+            client = MlflowClient(uri, registry_uri=uri)
+            assert [str(v.version) for v in client.search_model_versions(f"name = '{NAME}'")] == ["1"]
+            exp = client.get_experiment_by_name(NAME)
+            parents = client.search_runs([exp.experiment_id], "tags.`anchor_rm.stage` = 'tune'")
+            assert len(parents) == 1
+            trials = client.search_runs([exp.experiment_id], "tags.`anchor_rm.stage` = 'trial'")
+            trial_ids = [t.data.tags["anchor_rm.trial_id"] for t in trials]
+            assert len(trials) == 3 and len(set(trial_ids)) == 3, trial_ids  # 2 baselines + 1 sample, no duplicate
+            assert all(t.info.status == "FINISHED" for t in trials), [(t.info.run_id, t.info.status) for t in trials]
+            assert len(client.search_runs([exp.experiment_id], "tags.`anchor_rm.stage` = 'final'")) == 1
 
-        restarted = [t for t in trials if "anchor_rm.resumed_from_epoch" in t.data.tags]
-        assert [t.data.tags["anchor_rm.trial_id"] for t in restarted] == [first_trial]
-        assert restarted[0].data.tags["anchor_rm.resumed_from_epoch"] == "0"
-        for trial in trials:
-            markers = _assert_history_explained(client, trial.info.run_id, steps_per_epoch=6, epochs=2)
-            loss_steps = _steps(client, trial.info.run_id, "train/loss")
-            print(f"trial {trial.data.tags['anchor_rm.trial_id']}: train/loss steps {min(loss_steps)}..{max(loss_steps)}, "
-                  f"logged twice: {sorted(k for k, v in loss_steps.items() if v > 1)}, resume markers at {markers}, "
-                  f"outcome {trial.data.tags.get('anchor_rm.trial_outcome')}")
-            if trial in restarted:
-                assert markers == [6]
-                assert max(_steps(client, trial.info.run_id, "train/loss")) == 11  # it finished epoch 1
+            restarted = [t for t in trials if "anchor_rm.resumed_from_epoch" in t.data.tags]
+            assert [t.data.tags["anchor_rm.trial_id"] for t in restarted] == [first_trial]
+            assert restarted[0].data.tags["anchor_rm.resumed_from_epoch"] == "0"
+            for trial in trials:
+                markers = _assert_history_explained(client, trial.info.run_id, steps_per_epoch=6, epochs=2)
+                loss_steps = _steps(client, trial.info.run_id, "train/loss")
+                print(f"trial {trial.data.tags['anchor_rm.trial_id']}: train/loss steps {min(loss_steps)}..{max(loss_steps)}, "
+                      f"logged twice: {sorted(k for k, v in loss_steps.items() if v > 1)}, resume markers at {markers}, "
+                      f"outcome {trial.data.tags.get('anchor_rm.trial_outcome')}")
+                if trial in restarted:
+                    assert markers == [6]
+                    assert max(_steps(client, trial.info.run_id, "train/loss")) == 11  # it finished epoch 1
+    finally:
+        stop_process_group(server)  # the restarted one
