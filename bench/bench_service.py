@@ -18,7 +18,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import signal
 import socket
 import statistics
@@ -219,19 +218,10 @@ def plain_loop(folder: Path, pairs: list[tuple[str, str]], seconds: float, max_l
 
 
 def machine() -> str:
-    cpu = "unknown CPU"
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                cpu = line.split(":", 1)[1].strip()
-                break
-    except OSError:
-        pass
     import bentoml
-    import torch
+    from _common import machine as host
 
-    return (f"{os.cpu_count()} cores ({cpu}), no GPU, Python {platform.python_version()}, torch {torch.__version__} "
-            f"({torch.get_num_threads()} threads), bentoml {bentoml.__version__}")
+    return f"{host()}, bentoml {bentoml.__version__}"
 
 
 def main(argv=None) -> int:
