@@ -192,11 +192,19 @@ def _plot(instances_by_category: dict[str, list[dict]], rows_by_category: dict, 
     import matplotlib.pyplot as plt
 
     cats = list(instances_by_category)
-    paths = []
 
-    # NTS against lambda per layer choice; lambda 0 (naive) drawn one decade left of the smallest lambda.
-    fig, axes = plt.subplots(1, len(cats), figsize=(5.5 * len(cats), 4), squeeze=False)
-    for ax, cat in zip(axes[0], cats):
+    def figure(name: str, height: float, draw: Callable) -> Path:
+        """One panel per category, drawn by draw(ax, category), saved as out/name."""
+        fig, axes = plt.subplots(1, len(cats), figsize=(5.5 * len(cats), height), squeeze=False)
+        for ax, cat in zip(axes[0], cats):
+            draw(ax, cat)
+        fig.tight_layout()
+        fig.savefig(out / name, dpi=110)
+        plt.close(fig)
+        return out / name
+
+    def nts_vs_lambda(ax, cat: str) -> None:
+        """NTS against lambda per layer choice; lambda 0 (naive) drawn one decade left of the smallest lambda."""
         rows = rows_by_category[cat]
         naive = _mean_sd(_get(next(r for l, r, _ in rows if l == "naive W2S"), "mean_nts"))
         for choice, marker in (("last", "o"), ("middle", "s")):
@@ -204,8 +212,7 @@ def _plot(instances_by_category: dict[str, list[dict]], rows_by_category: dict, 
             if not sweep:
                 continue
             lams = [lam for lam, _ in sweep]
-            zero_x = min(lams) / 10
-            xs = [zero_x] + lams
+            xs = [min(lams) / 10] + lams
             stats = [naive] + [_mean_sd(_get(r, "mean_nts")) for _, r in sweep]
             ax.errorbar(xs, [s[0] for s in stats], yerr=[s[1] for s in stats], marker=marker, capsize=3, label=f"ANCHOR {choice}")
         ax.set_xscale("log")
@@ -214,14 +221,9 @@ def _plot(instances_by_category: dict[str, list[dict]], rows_by_category: dict, 
         ax.set_xlabel("anchor lambda (leftmost point: lambda 0, naive W2S)")
         ax.set_ylabel("mean NTS (points), mean ± sd over seeds")
         ax.legend()
-    fig.tight_layout()
-    paths.append(out / "nts_vs_lambda.png")
-    fig.savefig(paths[-1], dpi=110)
-    plt.close(fig)
 
-    # ID against OOD accuracy per method.
-    fig, axes = plt.subplots(1, len(cats), figsize=(5.5 * len(cats), 4.2), squeeze=False)
-    for ax, cat in zip(axes[0], cats):
+    def id_vs_ood(ax, cat: str) -> None:
+        """ID against OOD accuracy per method."""
         for label, per_seed, _ in rows_by_category[cat]:
             if "lambda " in label and "tuned" not in label:
                 continue
@@ -231,14 +233,9 @@ def _plot(instances_by_category: dict[str, list[dict]], rows_by_category: dict, 
         ax.set_xlabel("ID test accuracy (%)")
         ax.set_ylabel("mean OOD test accuracy (%)")
         ax.legend(fontsize=7)
-    fig.tight_layout()
-    paths.append(out / "id_vs_ood.png")
-    fig.savefig(paths[-1], dpi=110)
-    plt.close(fig)
 
-    # Drift against OOD drop, every W2S student run.
-    fig, axes = plt.subplots(1, len(cats), figsize=(5.5 * len(cats), 4), squeeze=False)
-    for ax, cat in zip(axes[0], cats):
+    def drift_vs_ood_drop(ax, cat: str) -> None:
+        """Drift against OOD drop, every W2S student run."""
         for inst in instances_by_category[cat]:
             for s in inst["students"]:
                 m = model_metrics(inst, s["test"], s["drift"])
@@ -251,11 +248,9 @@ def _plot(instances_by_category: dict[str, list[dict]], rows_by_category: dict, 
         ax.set_xlabel("last-layer drift: MSD to the pretrained states, OOD test mean")
         ax.set_ylabel("OOD drop: WRG - mean AOG (points)")
         ax.legend(fontsize=7)
-    fig.tight_layout()
-    paths.append(out / "drift_vs_ood_drop.png")
-    fig.savefig(paths[-1], dpi=110)
-    plt.close(fig)
-    return paths
+
+    return [figure("nts_vs_lambda.png", 4, nts_vs_lambda), figure("id_vs_ood.png", 4.2, id_vs_ood),
+            figure("drift_vs_ood_drop.png", 4, drift_vs_ood_drop)]
 
 
 def write_study_report(instances: list[dict], out: str | Path) -> list[Path]:
