@@ -161,6 +161,8 @@ def free_port() -> int:
 
 
 def serve(workdir: Path, batching: bool, max_batch_size: int) -> tuple[subprocess.Popen, str]:
+    from service.config import serve_command
+
     port = free_port()
     env = {k: v for k, v in os.environ.items() if not k.startswith(("ANCHOR_RM_", "BENTOML_", "MLFLOW_"))}
     env.update({"MLFLOW_TRACKING_URI": f"sqlite:///{workdir / 'mlflow.db'}", "BENTOML_HOME": str(workdir / "bentoml"),
@@ -168,9 +170,8 @@ def serve(workdir: Path, batching: bool, max_batch_size: int) -> tuple[subproces
                 "ANCHOR_RM_BATCHING": "1" if batching else "0", "ANCHOR_RM_MAX_BATCH_SIZE": str(max_batch_size),
                 "ANCHOR_RM_DOWNLOAD_DIR": str(workdir / f"downloads-{int(batching)}")})
     log = open(workdir / f"serve-{'batching' if batching else 'no-batching'}.log", "w")
-    bentoml = Path(sys.executable).parent / "bentoml"
-    proc = subprocess.Popen([str(bentoml), "serve", "service.service:RewardService", "--host", "127.0.0.1", "--port",
-                             str(port)], cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+    proc = subprocess.Popen(serve_command(port, "127.0.0.1"), cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT,
+                            start_new_session=True)
     url = f"http://127.0.0.1:{port}"
     deadline = time.time() + 300
     while time.time() < deadline:

@@ -99,15 +99,16 @@ def register_two_versions(model: str, max_length: int, workdir: Path) -> str:
 
 
 def start_service(uri: str, workdir: Path, port: int, poll_seconds: float = 5.0) -> subprocess.Popen:
+    from service.config import serve_command
+
     env = {k: v for k, v in os.environ.items() if not k.startswith(("ANCHOR_RM_", "BENTOML_", "MLFLOW_"))}
     env.update({"MLFLOW_TRACKING_URI": uri, "BENTOML_HOME": str(workdir / "bentoml"), "BENTOML_DO_NOT_TRACK": "true",
                 "ANCHOR_RM_API_KEY": API_KEY, "ANCHOR_RM_POLL_SECONDS": str(poll_seconds),
                 "ANCHOR_RM_DOWNLOAD_DIR": str(workdir / "downloads"), "HF_HUB_OFFLINE": "1",
                 "TOKENIZERS_PARALLELISM": "false"})
     log = open(workdir / "serve.log", "w")
-    proc = subprocess.Popen([str(Path(sys.executable).parent / "bentoml"), "serve", "service.service:RewardService",
-                             "--host", "127.0.0.1", "--port", str(port)], cwd=ROOT, env=env, stdout=log,
-                            stderr=subprocess.STDOUT, start_new_session=True)
+    proc = subprocess.Popen(serve_command(port, "127.0.0.1"), cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT,
+                            start_new_session=True)
     log.close()
     deadline = time.time() + 300
     while time.time() < deadline:

@@ -19,12 +19,18 @@ MLFLOW_TRACKING_URI / MLFLOW_REGISTRY_URI (unset: SQLite mlflow.db in the workin
 
 The file uses the same names in lower case without the prefix (model_uri = "...", poll_seconds = 30). The
 API key is read from the environment only: keep secrets out of files that get committed.
+
+Start the service with `serve_command()`'s flags (README, "Serving"): BentoML starts uvicorn with a 5 s
+keep-alive, the same as the idle expiry of httpx's connection pool, and a pooled client that reuses a
+connection just as the server closes it gets `Connection reset by peer` (docs/reliability.md). The service
+keeps idle connections KEEP_ALIVE_SECONDS instead, longer than common clients' pools keep them.
 """
 
 from __future__ import annotations
 
 import json
 import os
+import sys
 import tomllib
 from dataclasses import dataclass, field, fields
 from pathlib import Path
@@ -34,6 +40,18 @@ from anchor_rm.serving import DEFAULT_MODEL_URI, ServingLimits
 
 PREFIX = "ANCHOR_RM_"
 CONFIG_VARIABLE = "ANCHOR_RM_CONFIG"
+KEEP_ALIVE_SECONDS = 75  # above httpx's 5 s and aiohttp's 15 s pool expiry; the common nginx/gunicorn value
+
+
+def serve_command(port: int | None = None, host: str | None = None) -> list[str]:
+    """`bentoml serve` for this service, from the repository root; without host/port the settings decide."""
+    command = [str(Path(sys.executable).parent / "bentoml"), "serve", "service.service:RewardService",
+               "--timeout-keep-alive", str(KEEP_ALIVE_SECONDS)]
+    if host is not None:
+        command += ["--host", host]
+    if port is not None:
+        command += ["--port", str(port)]
+    return command
 
 
 class SettingsError(ValueError):

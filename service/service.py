@@ -1,6 +1,8 @@
 """The reward-scoring HTTP service (BentoML 1.4):
 
-    bentoml serve service.service:RewardService --host 127.0.0.1 --port 3000
+    bentoml serve service.service:RewardService --timeout-keep-alive 75 --host 127.0.0.1 --port 3000
+
+(75 s keep-alive: see service/config.py, `serve_command`.)
 
 It serves the model ANCHOR_RM_MODEL_URI names (default models:/anchor-rm-helpful@champion) with that
 version's report, and follows the alias when it moves. Settings: service/config.py. The logic lives in

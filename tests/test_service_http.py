@@ -9,10 +9,12 @@ import json
 import math
 import os
 import random
+import select
 import subprocess
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
+from http.client import HTTPConnection
 from pathlib import Path
 
 import httpx
@@ -26,7 +28,8 @@ from anchor_rm.encoding import RewardEncoder
 from anchor_rm.report import SplitResult, build_report
 from anchor_rm.tracking import configure
 from anchor_rm.workflow import RewardModel, load_saved, save_reward_model
-from helpers import PYTHON, ROOT, free_port, wait_http
+from helpers import ROOT, free_port, wait_http
+from service.config import KEEP_ALIVE_SECONDS, serve_command
 
 pytestmark = pytest.mark.slow
 
@@ -90,7 +93,7 @@ def server(store):
                 "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false", **LIMITS})
     log_path = workdir / "bentoml-serve.log"
     log = open(log_path, "w")
-    proc = subprocess.Popen([str(Path(PYTHON).parent / "bentoml"), "serve", "service.service:RewardService", "--port", str(port)],
+    proc = subprocess.Popen(serve_command(port),
                             cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
     try:
         wait_http(f"http://127.0.0.1:{port}/readyz", timeout=180, proc=proc)
@@ -135,6 +138,26 @@ def test_binds_loopback_by_default(server):
                 if state == "0A" and int(port, 16) == server["port"]:
                     listening.add(address)
     assert listening == {"0100007F"}, listening  # 127.0.0.1 only, not 0.0.0.0 or ::
+
+
+def test_an_idle_connection_outlives_a_pooled_clients_5_s(server):
+    """BentoML's default 5 s keep-alive equals httpx's pool expiry, and a client reusing a connection as the
+    server closes it gets a reset (docs/reliability.md). The service keeps idle connections open longer."""
+    assert KEEP_ALIVE_SECONDS > 7
+    conn = HTTPConnection("127.0.0.1", server["port"], timeout=10)
+    try:
+        for attempt in range(2):
+            conn.request("GET", "/livez")
+            response = conn.getresponse()
+            assert response.status == 200 and response.read() == b"\n", attempt
+            if attempt == 0:
+                used = conn.sock
+                time.sleep(7)  # idle, longer than the 5 s of BentoML's default and of httpx's pool
+                readable, _, _ = select.select([used], [], [], 0)
+                assert not readable, "the server closed the idle connection"  # its FIN would make it readable
+        assert conn.sock is used  # the second request went over the same connection
+    finally:
+        conn.close()
 
 
 def test_api_key_guards_everything_but_health_checks(server, http):
