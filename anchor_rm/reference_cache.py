@@ -2,8 +2,14 @@
 
 The reference model is frozen and the training inputs are fixed, so its hidden states at the anchored
 layers are the same every epoch of every trial. ANCHOR only compares states on response tokens, so only
-those are kept, in half precision: about 1/7 of full fp32 states on HH (27% of tokens are responses).
-One pass over the training pairs replaces a reference forward pass in every training step.
+those are kept: about 1/7 of full fp32 states on HH (27% of tokens are responses), in half precision when
+training runs under bf16 autocast (another half). One pass over the training pairs replaces a reference
+forward pass in every training step.
+
+Precision: under bf16 autocast the student's own states carry bf16 rounding (about 4e-3 relative), so fp16
+storage of the reference (about 5e-4) adds nothing that matters. Without autocast the states are kept in fp32,
+so that an fp32 run's anchor term is the uncached one, not one rounded to fp16 (which shifts training
+measurably on a small model with a large lambda).
 """
 
 from __future__ import annotations
@@ -32,7 +38,7 @@ class ReferenceStates:
     """Response-token hidden states of the frozen reference, per sequence and anchored layer.
 
     Sequences are ordered as EncodedPairs.chosen + EncodedPairs.rejected; states[layer][k] is a
-    [response tokens, hidden] fp16 tensor.
+    [response tokens, hidden] tensor, fp16 for a bf16 run and fp32 otherwise.
     """
 
     layers: list[int]
@@ -69,8 +75,10 @@ def compute_reference_states(reference: torch.nn.Module, encoded: EncodedPairs, 
                              *, batch_size: int = 32, bf16: bool = True) -> ReferenceStates:
     """One forward pass of the frozen reference over every training sequence, keeping response tokens.
 
-    Use the same `bf16` as training, so that the cached states are what the uncached loop would compute.
+    Use the same `bf16` as training, so that the cached states are what the uncached loop would compute;
+    it also picks the storage precision (fp16 with bf16, fp32 without; see the module docstring).
     """
+    storage = torch.float16 if bf16 else torch.float32
     reference.eval()
     device = next(reference.parameters()).device
     sequences = encoded.chosen + encoded.rejected
@@ -84,5 +92,5 @@ def compute_reference_states(reference: torch.nn.Module, encoded: EncodedPairs, 
         for layer in layers:
             layer_states = hidden[layer].float()
             for row, seq in enumerate(batch_indices):
-                states[layer][seq] = layer_states[row][mask[row]].to(torch.float16).cpu()
+                states[layer][seq] = layer_states[row][mask[row]].to(storage).cpu()
     return ReferenceStates(sorted(layers), states, encoded_digest(encoded), len(encoded))

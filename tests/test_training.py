@@ -96,7 +96,11 @@ def test_cached_reference_states_give_the_uncached_anchor_loss(tiny_bert, minilm
         uncached = anchor_loss([s[1], s[2]], [r[1], r[2]], batch["response_mask"]).item()
         cached = anchor_loss([s[1], s[2]], cache.batch(indices, [1, 2], batch["response_mask"]), batch["response_mask"]).item()
         assert uncached > 0
-        assert cached == pytest.approx(uncached, rel=1e-3)  # fp16 storage is the only difference
+        assert cached == pytest.approx(uncached, rel=1e-6)  # fp32 states for an fp32 run: same loss
+    assert all(t.dtype == torch.float32 for per_layer in cache.states.values() for t in per_layer)
+    half = compute_reference_states(reference, encoded, [1, 2], minilm_tokenizer.pad_token_id, batch_size=5, bf16=True)
+    assert all(t.dtype == torch.float16 for per_layer in half.states.values() for t in per_layer)
+    assert half.nbytes() * 2 == cache.nbytes()
 
 
 def test_training_with_the_cache_starts_at_zero_anchor_loss(tiny_bert, minilm_tokenizer):
