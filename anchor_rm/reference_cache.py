@@ -8,8 +8,8 @@ forward pass in every training step.
 
 Precision: under bf16 autocast the student's own states carry bf16 rounding (about 4e-3 relative), so fp16
 storage of the reference (about 5e-4) adds nothing that matters. Without autocast the states are kept in fp32,
-so that an fp32 run's anchor term is the uncached one, not one rounded to fp16 (which shifts training
-measurably on a small model with a large lambda).
+so that an fp32 run's anchor term is the uncached one (tests/test_training.py), not one computed against
+states rounded to fp16.
 """
 
 from __future__ import annotations
