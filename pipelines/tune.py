@@ -126,8 +126,9 @@ def run(args) -> int:
     from anchor_rm.tracking import configure, resolve_tracking_uri
     from tuning.final import checkpoint_folder, comparison_table, evaluate_outcome, nts_lambda_chart, outcomes_json
     from tuning.search import best_trial, init_ray, run_search
-    from tuning.trainable import SharedPayload, worker_resources
+    from tuning.trainable import SharedPayload, outage_seconds_from_env, worker_resources
 
+    outage_seconds_from_env()  # a bad value fails here, before any stage runs, not later in every trial
     started = time.perf_counter()
     cfg = tune_config(args)
     storage = Path(args.storage_path).resolve()

@@ -32,7 +32,7 @@ from anchor_rm.tracking import configure
 from anchor_rm.workflow import RewardModel, save_reward_model
 from helpers import (PYTHON, ROOT, free_port, ray_head, run_pipeline, start_mlflow_server,
                      stop_process_group)
-from tuning.trainable import KILL_WORKER_ENV, TrackingUnavailable, _MlflowLogger
+from tuning.trainable import KILL_WORKER_ENV, OUTAGE_ENV, TrackingUnavailable, _MlflowLogger, outage_seconds_from_env
 
 NAME = "anchor-rm-helpful"
 
@@ -121,6 +121,13 @@ def test_tracking_outage_longer_than_allowed_fails_loudly_and_keeps_the_values(t
     message = str(err.value)
     assert uri in message and run_id in message and "1 metric values" in message and "not delivered" in message
     assert len(logger.pending) == 1
+
+
+@pytest.mark.parametrize("raw", ["ten", "0", "-5", "nan", "inf", ""])
+def test_a_bad_outage_limit_is_refused_naming_the_variable(raw):
+    with pytest.raises(ValueError, match=f"{OUTAGE_ENV} must be a number of seconds above 0, not {raw!r}"):
+        outage_seconds_from_env({OUTAGE_ENV: raw})
+    assert outage_seconds_from_env({}) == 600 and outage_seconds_from_env({OUTAGE_ENV: "2.5"}) == 2.5
 
 
 # --- unwritable or full artifact location --------------------------------------------------------------

@@ -77,13 +77,28 @@ class TrackingUnavailable(RuntimeError):
     """Metric values could not be delivered to the tracking server within the allowed outage."""
 
 
+OUTAGE_ENV = "ANCHOR_RM_MLFLOW_OUTAGE_SECONDS"
+
+
+def outage_seconds_from_env(environ=os.environ) -> float:
+    """How long a trial waits for an unreachable tracking server before it fails (default 600 s)."""
+    raw = environ.get(OUTAGE_ENV, "600")
+    try:
+        seconds = float(raw)
+    except ValueError:
+        seconds = float("nan")
+    if not 0 < seconds < float("inf"):
+        raise ValueError(f"{OUTAGE_ENV} must be a number of seconds above 0, not {raw!r}")
+    return seconds
+
+
 class _MlflowLogger:
     """Rank 0's writer to the trial's run: batched, so a remote tracking server sees few requests.
 
     The server may be unreachable for a while (MLflow's client already retries each request for a few
     minutes). A batch it did not take stays pending, at most `max_pending` values, and is sent again after a
     backoff while training goes on. Before each checkpoint `deliver` insists: it retries for up to
-    `outage_seconds` (ANCHOR_RM_MLFLOW_OUTAGE_SECONDS, default 600) and then raises TrackingUnavailable,
+    `outage_seconds` (OUTAGE_ENV, default 600) and then raises TrackingUnavailable,
     naming the run and how many values are undelivered. The trial then fails loudly (Ray Train retries it
     from its last checkpoint; Tune marks its run FAILED) instead of checkpointing past metrics that never
     arrived: no value is dropped silently.
@@ -100,8 +115,7 @@ class _MlflowLogger:
         self.tracking_uri = tracking_uri
         self.run_id = run_id
         self.pending = []
-        self.outage_seconds = (float(os.environ.get("ANCHOR_RM_MLFLOW_OUTAGE_SECONDS", "600"))
-                               if outage_seconds is None else outage_seconds)
+        self.outage_seconds = outage_seconds_from_env() if outage_seconds is None else outage_seconds
         self.max_pending = max_pending
         self.failures = 0  # consecutive failed attempts
         self.next_attempt = 0.0  # time.monotonic() before which add() does not try again
