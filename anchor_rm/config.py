@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, field
 
 from anchor_rm.catalog import CATEGORIES
+from anchor_rm.precision import check_precision, resolve_precision
 from anchor_rm.training import TrainConfig
 
 
@@ -25,13 +26,24 @@ class ProtocolConfig:
     student_train: TrainConfig = field(default_factory=TrainConfig)
     train_ceiling: bool = True  # the student on gold labels: the upper reference for PGR
     eval_batch_size: int = 32
-    eval_bf16: bool = False  # bf16 autocast for evaluation and soft labels (the study's preset: ~2.5x faster)
+    # auto | fp32 | bf16, for every forward pass of the experiment: teacher and student training, soft labels,
+    # the reference cache and evaluation. auto: bf16 only where the hardware computes it natively and faster
+    # (anchor_rm/precision.py). `resolve_precision()` fixes the concrete value before anything runs.
+    precision: str = "auto"
 
     def __post_init__(self):
         if self.category not in CATEGORIES:
             raise ValueError(f"category must be one of {', '.join(CATEGORIES)}, got {self.category!r}")
         self.source = self.source or CATEGORIES[self.category]["source"]
         self.targets = list(self.targets or CATEGORIES[self.category]["targets"])
+        check_precision(self.precision)
+
+    def resolve_precision(self, requested: str | None = None) -> str:
+        """Decides the precision once ("fp32" or "bf16") and gives it to every stage, so that cache keys,
+        MLflow params, reports and Ray workers carry what actually runs. Returns it."""
+        self.precision = resolve_precision(requested or self.precision)
+        self.teacher_train.precision = self.student_train.precision = self.precision
+        return self.precision
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -55,8 +67,7 @@ def _smoke() -> ProtocolConfig:
 
 def _study() -> ProtocolConfig:
     """One protocol instance of the preference-shift study (pipelines/study.py), which trains 13 students per
-    category and seed: short sequences, bf16 evaluation and small test splits keep a student near half a
-    minute on 2 cores. The teacher is the 1-layer MiniLM, trained for one epoch, so that it is clearly
+    category and seed: short sequences and small test splits keep a student near half a minute on 2 cores. The teacher is the 1-layer MiniLM, trained for one epoch, so that it is clearly
     weaker than the 6-layer student's gold-label ceiling."""
     return ProtocolConfig(
         teacher="minilm-l6-first1",
@@ -65,7 +76,6 @@ def _study() -> ProtocolConfig:
         teacher_train=TrainConfig(method="gold", epochs=1, batch_size=16, learning_rate=1e-4, max_length=128),
         student_train=TrainConfig(epochs=2, batch_size=16, learning_rate=1e-4, max_length=128),
         eval_batch_size=64,
-        eval_bf16=True,
     )
 
 

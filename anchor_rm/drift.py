@@ -68,18 +68,18 @@ class DriftMeter:
 
 
 def evaluation_reference(reference: torch.nn.Module, rm: RewardModel, pairs: Sequence[PreferencePair],
-                         layers: Sequence[int], *, batch_size: int = 32, bf16: bool = False) -> ReferenceStates:
+                         layers: Sequence[int], *, batch_size: int = 32, precision: str = "auto") -> ReferenceStates:
     """The frozen reference's response-token states on an evaluation set, as `rm` encodes it."""
     return compute_reference_states(reference, rm.encode(pairs), sorted(set(layers)), rm.encoder.pad_token_id,
-                                    batch_size=batch_size, bf16=bf16)
+                                    batch_size=batch_size, precision=precision)
 
 
 def evaluate_with_drift(rm: RewardModel, pairs: Sequence[PreferencePair], reference: ReferenceStates,
                         layer_sets: Mapping[str, Sequence[int]], *, batch_size: int = 32,
-                        bf16: bool = False) -> tuple[SplitScore, dict[str, Drift]]:
+                        precision: str = "auto") -> tuple[SplitScore, dict[str, Drift]]:
     """Accuracy on `pairs` and the drift per layer set, in one scoring pass."""
     if encoded_digest(rm.encode(pairs)) != reference.digest:
         raise ValueError("the reference states were computed on other pairs or another encoding of them")
     meter = DriftMeter(reference, layer_sets)
-    score = evaluate_pairs(rm, pairs, batch_size, bf16=bf16, hidden_states_hook=meter)
+    score = evaluate_pairs(rm, pairs, batch_size, precision=precision, hidden_states_hook=meter)
     return score, meter.result()

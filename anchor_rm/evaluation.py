@@ -82,7 +82,7 @@ def load_evaluation_set(name: str, *, prompt_column: str = "prompt", chosen_colu
 # Scoring and the report.
 
 def score_sets(student: RewardModel, sets: Sequence[EvaluationSet], *, teacher: RewardModel | None = None,
-               id_name: str | None = None, batch_size: int = 32) -> list[SplitResult]:
+               id_name: str | None = None, batch_size: int = 32, precision: str = "auto") -> list[SplitResult]:
     """One report row per data set: the student's accuracy, the teacher's beside it when there is one.
     `id_name` marks the in-distribution set (role "id"); every other set is "ood"."""
     names = [s.name for s in sets]
@@ -94,8 +94,9 @@ def score_sets(student: RewardModel, sets: Sequence[EvaluationSet], *, teacher: 
     rows = []
     for s in sets:
         try:
-            scored = evaluate_pairs(student, s.pairs, batch_size)
-            teacher_scored = evaluate_pairs(teacher, s.pairs, batch_size) if teacher is not None else None
+            scored = evaluate_pairs(student, s.pairs, batch_size, precision=precision)
+            teacher_scored = (evaluate_pairs(teacher, s.pairs, batch_size, precision=precision)
+                              if teacher is not None else None)
         except ValueError as exc:
             raise ValueError(f"dataset {s.name!r}: {exc}") from None
         rows.append(SplitResult(
@@ -282,7 +283,8 @@ def find_teacher(model: ResolvedModel, download_dir: str | Path) -> tuple[Resolv
     return teacher, f"teacher: {uri} (tag {TEACHER_RUN_TAG} of run {model.run_id})"
 
 
-def model_info(model: ResolvedModel, teacher: ResolvedModel | None, run_id: str | None) -> dict[str, Any]:
+def model_info(model: ResolvedModel, teacher: ResolvedModel | None, run_id: str | None,
+               precision: str | None = None) -> dict[str, Any]:
     """The report's `model` section: what was evaluated, from anchor_rm.json and the logging run."""
     saved, params = model.saved_info, model.run_params
     return {
@@ -293,6 +295,7 @@ def model_info(model: ResolvedModel, teacher: ResolvedModel | None, run_id: str 
         "method": saved.get("method") or model.run_tags.get("anchor_rm.method") or "unknown",
         "hyperparameters": {k.removeprefix("train."): v for k, v in sorted(params.items()) if k.startswith("train.")},
         "run_id": run_id,
+        **({"precision": precision} if precision else {}),
     }
 
 

@@ -121,7 +121,7 @@ def _gold_stage(stage: str, model_name: str, train_cfg: TrainConfig, cfg: Protoc
     """Trains `model_name` on gold labels and scores it on `eval_splits` (teacher: val for the tuning
     objective and test for the report; ceiling: test only)."""
     key = cache_key(STAGE_VERSION, stage, data.outputs["digests"], model_name, train_cfg.to_dict(), cfg.eval_batch_size,
-                    eval_splits, *(["bf16"] if cfg.eval_bf16 else []))
+                    eval_splits, cfg.precision)
 
     def compute() -> dict:
         log.info("%s: training %s on %d gold pairs", stage, model_name, len(train_pairs))
@@ -130,11 +130,11 @@ def _gold_stage(stage: str, model_name: str, train_cfg: TrainConfig, cfg: Protoc
         mlflow.log_metric("train/pairs_per_second", result.pairs_seen / max(result.seconds, 1e-9))
         outputs = {"model": model_name, "scores": {}}
         for split in eval_splits:
-            scores = evaluate_model(rm, splits, split, cfg.eval_batch_size, bf16=cfg.eval_bf16)
+            scores = evaluate_model(rm, splits, split, cfg.eval_batch_size, precision=cfg.precision)
             _log_scores(split, scores)
             outputs["scores"][split] = scores_to_dict(scores)
         if label_pairs is not None:
-            labels = soft_labels(rm, label_pairs, cfg.eval_batch_size, cfg.eval_bf16)
+            labels = soft_labels(rm, label_pairs, cfg.eval_batch_size, cfg.precision)
             outputs["soft_labels"] = labels.tolist()
             mlflow.log_metrics({"soft_labels/mean": float(np.mean(labels)), "soft_labels/agree_with_gold": float(np.mean(labels > 0.5) * 100)})
         _log_model(rm, "model", {"stage": stage})
@@ -170,10 +170,12 @@ def validation_metrics(source: str, teacher_val: dict, student_scores: dict) -> 
     return out
 
 
-def final_report(shared: SharedStages, rm: RewardModel, model_info: dict, eval_batch_size: int,
+def final_report(shared: SharedStages, rm: RewardModel, model_info: dict, eval_batch_size: int, precision: str,
                  selection_splits: str = "none") -> EvaluationReport:
-    """The student on every test split, beside the teacher (and ceiling), as a report."""
-    student = evaluate_model(rm, shared.splits, "test", eval_batch_size)
+    """The student on every test split, beside the teacher (and ceiling), as a report; `precision` is the
+    experiment's resolved precision (the teacher's test scores were taken in it too)."""
+    student = evaluate_model(rm, shared.splits, "test", eval_batch_size, precision=precision)
+    model_info = {**model_info, "precision": precision}
     rows = split_results(shared.splits, "test", student, shared.teacher_scores("test"), shared.ceiling_scores("test"))
     digests = {k: v for k, v in shared.data.outputs["digests"].items()}
     return build_report(model_info, rows, selection_splits=selection_splits, figure_splits="test", data_digests=digests)
@@ -199,12 +201,12 @@ def train_student(cfg: ProtocolConfig, shared: SharedStages, train_cfg: TrainCon
     reference = None
     if train_cfg.uses_anchor:
         reference = reference_states(cfg.student, rm, shared.splits.student_train, [train_cfg.anchor_layers],
-                                     bf16=train_cfg.bf16, batch_size=cfg.eval_batch_size)
+                                     precision=train_cfg.precision, batch_size=cfg.eval_batch_size)
         mlflow.log_metric("reference_cache/megabytes", reference.nbytes() / 1e6)
     history: list[dict] = []
 
     def on_epoch_end(epoch: int, model, optimizer_state: dict) -> dict:
-        scores = evaluate_model(rm, shared.splits, "val", cfg.eval_batch_size, bf16=cfg.eval_bf16)
+        scores = evaluate_model(rm, shared.splits, "val", cfg.eval_batch_size, precision=cfg.precision)
         metrics = validation_metrics(shared.splits.source, shared.teacher_scores("val"), scores)
         mlflow.log_metrics(metrics, step=epoch)
         history.append(metrics)
@@ -230,7 +232,7 @@ def run_student(cfg: ProtocolConfig, shared: SharedStages, train_cfg: TrainConfi
         rm, _ = train_student(cfg, shared, train_cfg)
         info = {"name": f"{cfg.student} ({train_cfg.method})", "student": cfg.student, "teacher": cfg.teacher,
                 "method": train_cfg.method, "hyperparameters": train_cfg.to_dict(), "run_id": run.info.run_id}
-        report = final_report(shared, rm, info, cfg.eval_batch_size)
+        report = final_report(shared, rm, info, cfg.eval_batch_size, cfg.precision)
         log_report(report)
         _log_model(rm, "model", {"method": train_cfg.method, "teacher": cfg.teacher})
     return run.info.run_id, report

@@ -6,10 +6,10 @@ those are kept: about 1/7 of full fp32 states on HH (27% of tokens are responses
 training runs under bf16 autocast (another half). One pass over the training pairs replaces a reference
 forward pass in every training step.
 
-Precision: under bf16 autocast the student's own states carry bf16 rounding (about 4e-3 relative), so fp16
-storage of the reference (about 5e-4) adds nothing that matters. Without autocast the states are kept in fp32,
-so that an fp32 run's anchor term is the uncached one (tests/test_training.py), not one computed against
-states rounded to fp16.
+Precision: the cache is computed in the training run's precision (anchor_rm/precision.py). Under bf16
+autocast the student's own states carry bf16 rounding (about 4e-3 relative), so fp16 storage of the
+reference (about 5e-4) adds nothing that matters. In fp32 the states are kept in fp32, so that an fp32 run's
+anchor term is the uncached one (tests/test_training.py), not one computed against states rounded to fp16.
 """
 
 from __future__ import annotations
@@ -21,6 +21,7 @@ import numpy as np
 import torch
 
 from anchor_rm.encoding import collate
+from anchor_rm.precision import autocast, uses_bf16
 from anchor_rm.scoring import EncodedPairs, length_sorted_batches, reward_forward
 
 
@@ -72,21 +73,21 @@ class ReferenceStates:
 
 @torch.inference_mode()
 def compute_reference_states(reference: torch.nn.Module, encoded: EncodedPairs, layers: list[int], pad_token_id: int,
-                             *, batch_size: int = 32, bf16: bool = True) -> ReferenceStates:
+                             *, batch_size: int = 32, precision: str = "auto") -> ReferenceStates:
     """One forward pass of the frozen reference over every training sequence, keeping response tokens.
 
-    Use the same `bf16` as training, so that the cached states are what the uncached loop would compute;
-    it also picks the storage precision (fp16 with bf16, fp32 without; see the module docstring).
+    Use the training run's `precision`, so that the cached states are what the uncached loop would compute;
+    it also picks the storage precision (fp16 with bf16, fp32 with fp32; see the module docstring).
     """
-    storage = torch.float16 if bf16 else torch.float32
     reference.eval()
     device = next(reference.parameters()).device
+    storage = torch.float16 if uses_bf16(precision, device.type) else torch.float32
     sequences = encoded.chosen + encoded.rejected
     states: dict[int, list[torch.Tensor | None]] = {layer: [None] * len(sequences) for layer in layers}
     for batch_indices in length_sorted_batches([len(s.input_ids) for s in sequences], batch_size):
         batch = collate([sequences[i] for i in batch_indices], pad_token_id)
         batch = {k: v.to(device) for k, v in batch.items()}
-        with torch.autocast(device.type, dtype=torch.bfloat16, enabled=bf16):
+        with autocast(precision, device.type):
             hidden = reward_forward(reference, batch, output_hidden_states=True).hidden_states
         mask = batch["response_mask"].bool()
         for layer in layers:

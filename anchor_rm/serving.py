@@ -153,6 +153,9 @@ class ModelInfo(BaseModel):
     report_error: str | None
     base_model: str
     max_length: int = Field(description="Tokens per (prompt, response); longer pairs are truncated.")
+    precision: str = Field(description="Forward-pass precision of scoring: fp32, or bf16 autocast with the reward "
+                                       "head in fp32 (ANCHOR_RM_PRECISION, default auto: bf16 only on hardware with "
+                                       "native bf16).")
     truncation_policy: str
     loaded_at: str
     poll_seconds: float = Field(description="How often the alias is checked; 0: never.")
@@ -382,7 +385,7 @@ class ServedModel:
             "uri": self.uri, "resolved_uri": self.resolved, "run_id": self.run_id,
             "headline_metrics": self.headline, "has_report": self.report is not None,
             "report_error": self.report_error, "base_model": self.base_model, "max_length": self.max_length,
-            "truncation_policy": TRUNCATION_POLICY, "loaded_at": self.loaded_at,
+            "precision": self.scorer.precision, "truncation_policy": TRUNCATION_POLICY, "loaded_at": self.loaded_at,
         }
 
 
@@ -394,10 +397,12 @@ def parse_registry_uri(uri: str) -> tuple[str, str | None, str | None] | None:
     return match["name"], match["alias"], match["version"]
 
 
-def load_served_model(uri: str, download_dir: str | Path, batch_size: int = 32) -> ServedModel:
+def load_served_model(uri: str, download_dir: str | Path, batch_size: int = 32, precision: str = "auto") -> ServedModel:
     """Resolve `uri` (anchor_rm.evaluation.resolve_model: registry, run or folder), load the reward model and
-    its tokenizer (workflow.load_saved), read its report and headline figures."""
+    its tokenizer (workflow.load_saved), read its report and headline figures. `precision` (auto | fp32 |
+    bf16) is resolved here, once per process, so that /model says what scores."""
     from anchor_rm.evaluation import resolve_model
+    from anchor_rm.precision import resolve_precision
     from anchor_rm.workflow import load_saved
 
     resolved = resolve_model(uri, download_dir)
@@ -410,7 +415,7 @@ def load_served_model(uri: str, download_dir: str | Path, batch_size: int = 32) 
         tags = dict(MlflowClient().get_model_version(resolved.registered_name, resolved.version).tags or {})
     report, report_error = _load_report(resolved.folder, resolved.registered_name, resolved.version)
     return ServedModel(
-        scorer=reward_model.scorer(batch_size), uri=uri, resolved=resolved.name,
+        scorer=reward_model.scorer(batch_size, resolve_precision(precision)), uri=uri, resolved=resolved.name,
         registered_name=resolved.registered_name, version=resolved.version,
         alias=parsed[1] if parsed else None, run_id=resolved.run_id, headline=headline_metrics(tags),
         report=report, report_error=report_error, max_length=reward_model.encoder.max_length,

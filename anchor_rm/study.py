@@ -21,6 +21,7 @@ from anchor_rm.drift import evaluate_with_drift, evaluation_reference
 from anchor_rm.experiment import STAGE_VERSION, SharedStages, prepare_shared, step_logger, validation_metrics
 from anchor_rm.losses import resolve_anchor_layers
 from anchor_rm.metrics import transfer_metrics
+from anchor_rm.precision import resolve_precision
 from anchor_rm.reference_cache import ReferenceStates
 from anchor_rm.tracking import cache_key, metric_name, stage_run
 from anchor_rm.training import TrainConfig
@@ -46,6 +47,7 @@ class StudyConfig:
     layer_choices: list[str] = field(default_factory=lambda: ["last", "middle"])
     confidence_alphas: list[float] = field(default_factory=lambda: [0.5, 0.75])
     preset: str = "study"
+    precision: str = "auto"  # resolved once per process (anchor_rm/precision.py); every instance uses it
 
     def __post_init__(self):
         unknown = [c for c in self.categories if c not in STUDY_TARGETS]
@@ -60,6 +62,7 @@ class StudyConfig:
         for alpha in self.confidence_alphas:
             if not 0 <= alpha <= 1:
                 raise ValueError(f"confidence alphas must lie in [0, 1], got {alpha}")
+        self.precision = resolve_precision(self.precision)  # study.json records what ran, not "auto"
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -71,6 +74,7 @@ def protocol_for(study: StudyConfig, category: str, seed: int) -> ProtocolConfig
     cfg.seed = seed
     cfg.teacher_train.seed = seed
     cfg.student_train.seed = seed
+    cfg.resolve_precision(study.precision)
     return cfg
 
 
@@ -104,7 +108,7 @@ class _References:
     def train(self, rm) -> ReferenceStates:
         if self._train is None:
             self._train = reference_states(self.cfg.student, rm, self.shared.splits.student_train, self.layer_choices,
-                                           bf16=self.cfg.student_train.bf16, batch_size=self.cfg.eval_batch_size)
+                                           precision=self.cfg.student_train.precision, batch_size=self.cfg.eval_batch_size)
         return self._train
 
     def evaluation(self, rm, layers: list[int]) -> dict[str, ReferenceStates]:
@@ -112,7 +116,7 @@ class _References:
             reference = frozen_reference(self.cfg.student)
             for name, _, pairs in evaluation_sets(self.shared.splits, "test"):
                 self._eval[name] = evaluation_reference(reference, rm, pairs, layers, batch_size=self.cfg.eval_batch_size,
-                                                        bf16=self.cfg.eval_bf16)
+                                                        precision=self.cfg.precision)
         return self._eval
 
 
@@ -123,13 +127,13 @@ def _train_and_measure(cfg: ProtocolConfig, shared: SharedStages, tc: TrainConfi
     reference = refs.train(rm) if tc.uses_anchor else None
     result, encoded = train_on_pairs(rm, shared.splits.student_train, shared.soft_labels, tc, reference=reference,
                                      on_step=step_logger())
-    val = evaluate_model(rm, shared.splits, "val", cfg.eval_batch_size, bf16=cfg.eval_bf16)
+    val = evaluate_model(rm, shared.splits, "val", cfg.eval_batch_size, precision=cfg.precision)
     mlflow.log_metrics(validation_metrics(shared.splits.source, shared.teacher_scores("val"), val))
     eval_refs = refs.evaluation(rm, sorted({layer for layers in layer_sets.values() for layer in layers}))
     test, drift = {}, {}
     for name, _, pairs in evaluation_sets(shared.splits, "test"):
         test[name], by_layers = evaluate_with_drift(rm, pairs, eval_refs[name], layer_sets,
-                                                    batch_size=cfg.eval_batch_size, bf16=cfg.eval_bf16)
+                                                    batch_size=cfg.eval_batch_size, precision=cfg.precision)
         drift[name] = {choice: asdict(d) for choice, d in by_layers.items()}
         mlflow.log_metrics({f"test/acc/{metric_name(name)}": test[name].accuracy,
                             **{f"drift/{choice}/msd/{metric_name(name)}": d.msd for choice, d in by_layers.items()},
@@ -172,7 +176,7 @@ def run_instance(study: StudyConfig, category: str, seed: int, experiment_id: st
     for tc in student_settings(study, cfg.student_train):
         label = f"{category} seed {seed} {setting_label(tc)}"
         key = cache_key(STAGE_VERSION, STUDENT_STAGE, shared.data.outputs["digests"], shared.teacher.run_id,
-                        cfg.teacher_train.to_dict(), tc.to_dict(), cfg.eval_batch_size, cfg.eval_bf16, DRIFT_LAYERS)
+                        cfg.teacher_train.to_dict(), tc.to_dict(), cfg.eval_batch_size, cfg.precision, DRIFT_LAYERS)
         tags = {"anchor_rm.category": category, "anchor_rm.seed": str(seed), "anchor_rm.method": tc.method,
                 "anchor_rm.setting": setting_label(tc), **shared.tags()}
         started = time.time()

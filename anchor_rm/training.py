@@ -28,8 +28,9 @@ from anchor_rm.losses import (
     resolve_anchor_layers,
     soft_bradley_terry_loss,
 )
+from anchor_rm.precision import autocast, check_precision
 from anchor_rm.reference_cache import ReferenceStates, encoded_digest
-from anchor_rm.scoring import EncodedPairs, reward_forward
+from anchor_rm.scoring import EncodedPairs, fp32_reward_head, reward_forward
 
 METHODS = ("naive", "confidence", "anchor", "gold")
 
@@ -51,7 +52,9 @@ class TrainConfig:
     max_length: int = 256  # tokens per (prompt, response); prompts are cut from the left
     seed: int = 0
     length_grouped: bool = True  # batches of similar length: less padding, same data per epoch
-    bf16: bool = True  # bf16 autocast for forward passes (about 3x faster than fp32 on a 2-core CPU here)
+    # auto | fp32 | bf16: bf16 autocast only where the hardware computes bf16 natively and faster
+    # (anchor_rm/precision.py); the pipelines store the resolved value here.
+    precision: str = "auto"
 
     def __post_init__(self):
         if self.method not in METHODS:
@@ -65,6 +68,7 @@ class TrainConfig:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
         if self.learning_rate <= 0:
             raise ValueError(f"learning_rate must be > 0, got {self.learning_rate}")
+        check_precision(self.precision, "precision")
 
     @property
     def uses_anchor(self) -> bool:
@@ -231,7 +235,7 @@ def _train_step(model, core, reference, train, targets, indices, layers, config,
     device = next(core.parameters()).device
     batch = collate([train.chosen[i] for i in indices] + [train.rejected[i] for i in indices], pad_token_id)
     batch = {k: v.to(device) for k, v in batch.items()}
-    with torch.autocast(_device_type(core), dtype=torch.bfloat16, enabled=config.bf16):
+    with autocast(config.precision, _device_type(core)), fp32_reward_head(core):
         outputs = reward_forward(model, batch, output_hidden_states=bool(layers))
     rewards = outputs.logits[:, 0].float()
     margin = rewards[:n] - rewards[n:]
@@ -247,7 +251,7 @@ def _train_step(model, core, reference, train, targets, indices, layers, config,
         if isinstance(reference, ReferenceStates):
             reference_states = reference.batch(indices, layers, batch["response_mask"])
         else:
-            with torch.no_grad(), torch.autocast(_device_type(core), dtype=torch.bfloat16, enabled=config.bf16):
+            with torch.no_grad(), autocast(config.precision, _device_type(core)):
                 reference_out = reward_forward(reference, batch, output_hidden_states=True)
             reference_states = [reference_out.hidden_states[i].float() for i in layers]
         anchor = anchor_loss([outputs.hidden_states[i].float() for i in layers], reference_states, batch["response_mask"])

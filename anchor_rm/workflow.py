@@ -34,8 +34,8 @@ class RewardModel:
     encoder: RewardEncoder
     name: str
 
-    def scorer(self, batch_size: int = 32, bf16: bool = False) -> RewardScorer:
-        return RewardScorer(self.model, self.encoder, batch_size, bf16)
+    def scorer(self, batch_size: int = 32, precision: str = "auto") -> RewardScorer:
+        return RewardScorer(self.model, self.encoder, batch_size, precision)
 
     def encode(self, pairs: Sequence[PreferencePair]) -> EncodedPairs:
         return encode_pairs(self.encoder, pairs)
@@ -57,14 +57,14 @@ def frozen_reference(name: str) -> torch.nn.Module:
 
 
 def reference_states(student_name: str, rm: RewardModel, pairs: Sequence[PreferencePair],
-                     layer_choices: Sequence[str], *, bf16: bool, batch_size: int = 32) -> ReferenceStates:
+                     layer_choices: Sequence[str], *, precision: str, batch_size: int = 32) -> ReferenceStates:
     """The frozen reference's response-token states at every layer any of `layer_choices` anchors,
     on `pairs` as `rm` encodes them: computed once, then shared by every epoch (and every Tune trial)."""
     reference = frozen_reference(student_name)
     depth = rm.model.config.num_hidden_layers
     layers = sorted({layer for choice in layer_choices for layer in resolve_anchor_layers(choice, depth)})
     return compute_reference_states(reference, rm.encode(pairs), layers, rm.encoder.pad_token_id,
-                                    batch_size=batch_size, bf16=bf16)
+                                    batch_size=batch_size, precision=precision)
 
 
 def save_reward_model(rm: RewardModel, folder: str | Path, extra: dict | None = None) -> Path:
@@ -117,13 +117,13 @@ def train_on_pairs(
 
 
 def soft_labels(teacher: RewardModel, pairs: Sequence[PreferencePair], batch_size: int = 32,
-                bf16: bool = False) -> np.ndarray:
+                precision: str = "auto") -> np.ndarray:
     """The teacher's P(chosen preferred) = sigmoid(r_chosen - r_rejected), one per input pair.
 
     A pair the teacher's truncation made identical gets 0.5: the teacher has no opinion on it.
     """
     encoded = teacher.encode(pairs)
-    chosen, rejected = teacher.scorer(batch_size, bf16).score_pairs(encoded)
+    chosen, rejected = teacher.scorer(batch_size, precision).score_pairs(encoded)
     probs = np.full(len(pairs), 0.5)
     probs[encoded.kept] = 1.0 / (1.0 + np.exp(-(chosen - rejected)))
     return probs
@@ -137,13 +137,13 @@ class SplitScore:
     identical_after_truncation: int
 
 
-def evaluate_pairs(rm: RewardModel, pairs: Sequence[PreferencePair], batch_size: int = 32, *, bf16: bool = False,
+def evaluate_pairs(rm: RewardModel, pairs: Sequence[PreferencePair], batch_size: int = 32, *, precision: str = "auto",
                    hidden_states_hook: HiddenStatesHook | None = None) -> SplitScore:
     """Pairwise accuracy on `pairs`; the hook (see scoring) sees chosen + rejected sequences' states."""
     encoded = rm.encode(pairs)
     if len(encoded) == 0:
         raise ValueError("no pair left to evaluate after truncation")
-    chosen, rejected = rm.scorer(batch_size, bf16).score_pairs(encoded, hidden_states_hook)
+    chosen, rejected = rm.scorer(batch_size, precision).score_pairs(encoded, hidden_states_hook)
     return SplitScore(pairwise_accuracy(chosen, rejected), len(encoded), tie_rate(chosen, rejected), encoded.identical_after_truncation)
 
 
@@ -156,8 +156,8 @@ def evaluation_sets(splits: ProtocolSplits, split: str) -> list[tuple[str, str, 
 
 
 def evaluate_model(rm: RewardModel, splits: ProtocolSplits, split: str, batch_size: int = 32, *,
-                   bf16: bool = False) -> dict[str, SplitScore]:
-    return {name: evaluate_pairs(rm, pairs, batch_size, bf16=bf16) for name, _, pairs in evaluation_sets(splits, split)}
+                   precision: str = "auto") -> dict[str, SplitScore]:
+    return {name: evaluate_pairs(rm, pairs, batch_size, precision=precision) for name, _, pairs in evaluation_sets(splits, split)}
 
 
 def split_results(

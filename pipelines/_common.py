@@ -19,6 +19,14 @@ os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
 os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
 
 
+def add_precision_argument(parser) -> None:
+    # The choices are written here, not imported: --help must not pay for importing torch.
+    parser.add_argument("--precision", choices=["auto", "fp32", "bf16"], default="auto",
+                        help="forward-pass precision of training and evaluation: auto (default) picks bf16 autocast "
+                             "only where the hardware computes bf16 natively and faster (CUDA with bf16, a CPU with "
+                             "AVX512-BF16 or AMX) and fp32 everywhere else; the choice is logged and recorded")
+
+
 def setup_logging(verbose: bool = False) -> None:
     logging.basicConfig(level=logging.DEBUG if verbose else logging.INFO, format="%(asctime)s %(message)s",
                         datefmt="%H:%M:%S", stream=sys.stderr)

@@ -38,7 +38,7 @@ from pathlib import Path
 
 os.environ.setdefault("MLFLOW_ENABLE_ARTIFACTS_PROGRESS_BAR", "false")  # one bar per download drowns the log
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _common import clean_errors, setup_logging  # noqa: E402
+from _common import add_precision_argument, clean_errors, setup_logging  # noqa: E402
 
 log = logging.getLogger("anchor_rm")
 
@@ -69,6 +69,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-length", type=int,
                    help="tokens per (prompt, response) (default: what the model was trained with)")
     p.add_argument("--batch-size", type=int, default=32, help="pairs per scoring batch (default: 32)")
+    add_precision_argument(p)
     p.add_argument("--tracking-uri",
                    help="MLflow tracking URI, for models:/ and runs:/ and for logging "
                         "(default: $MLFLOW_TRACKING_URI, else sqlite:///mlflow.db here)")
@@ -104,9 +105,11 @@ def evaluate(args) -> int:
     from anchor_rm import evaluation as ev
     from anchor_rm.report import report_to_markdown, write_report
     from anchor_rm.tracking import configure, resolve_tracking_uri
+    from anchor_rm.precision import resolve_precision
     from anchor_rm.workflow import load_saved
 
     _check_args(args)
+    precision = resolve_precision(args.precision)
     sets = [ev.load_evaluation_set(name, prompt_column=args.prompt_column, chosen_column=args.chosen_column,
                                    rejected_column=args.rejected_column, hub_split=args.hub_split,
                                    skip_invalid=args.skip_invalid, max_pairs=args.max_pairs, seed=args.seed)
@@ -138,14 +141,15 @@ def evaluate(args) -> int:
 
             student_rm = load_saved(model.folder, args.max_length)
             teacher_rm = load_saved(teacher.folder, args.max_length) if teacher else None
-            rows = ev.score_sets(student_rm, sets, teacher=teacher_rm, id_name=args.id_data, batch_size=args.batch_size)
+            rows = ev.score_sets(student_rm, sets, teacher=teacher_rm, id_name=args.id_data, batch_size=args.batch_size,
+                                 precision=precision)
 
         out = args.out or Path.cwd() / f"evaluation-{datetime.now().strftime('%Y%m%d-%H%M%S')}"
         run_context = nullcontext() if args.no_log else mlflow.start_run(
             experiment_id=experiment_id, run_name=f"evaluate {model.name}")
         with run_context as run:
             run_id = run.info.run_id if run else None
-            report = ev.evaluation_report(ev.model_info(model, teacher, run_id), rows, sets)
+            report = ev.evaluation_report(ev.model_info(model, teacher, run_id, precision), rows, sets)
             paths = write_report(report, out)
             if run is not None:
                 mlflow.set_tags(ev.run_tags(model, teacher))

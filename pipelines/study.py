@@ -21,7 +21,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _common import clean_errors, setup_logging  # noqa: E402
+from _common import add_precision_argument, clean_errors, setup_logging  # noqa: E402
 
 log = logging.getLogger("anchor_rm")
 
@@ -55,6 +55,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="confidence W2S settings tuned on validation (default 0.5,0.75)")
     p.add_argument("--preset", choices=["study", "smoke"], default="study",
                    help="study: the sizes of docs/results.md; smoke: tiny, for tests")
+    add_precision_argument(p)
     p.add_argument("--out", default="docs/results", help="folder for study.json, tables.md and the plots (docs/results)")
     p.add_argument("--tracking-uri", help="MLflow tracking URI (default: $MLFLOW_TRACKING_URI, else sqlite:///mlflow.db here)")
     p.add_argument("--experiment", default="anchor-rm-study", help="MLflow experiment name (default anchor-rm-study)")
@@ -71,7 +72,7 @@ def main(argv=None) -> int:
         from anchor_rm.tracking import configure, resolve_tracking_uri
 
         study = StudyConfig(categories=args.categories, seeds=args.seeds, lambdas=args.lambdas, layer_choices=args.layers,
-                            confidence_alphas=args.confidence_alphas, preset=args.preset)
+                            confidence_alphas=args.confidence_alphas, preset=args.preset, precision=args.precision)
         out = Path(args.out)
         out.mkdir(parents=True, exist_ok=True)
         started = time.perf_counter()

@@ -18,7 +18,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _common import clean_errors, setup_logging  # noqa: E402
+from _common import add_precision_argument, clean_errors, setup_logging  # noqa: E402
 
 log = logging.getLogger("anchor_rm")
 
@@ -43,7 +43,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--learning-rate", type=float)
     p.add_argument("--max-length", type=int, help="tokens per (prompt, response); the prompt is cut from the left")
     p.add_argument("--seed", type=int)
-    p.add_argument("--fp32", action="store_true", help="train in fp32 instead of bf16 autocast")
+    add_precision_argument(p)
     p.add_argument("--no-ceiling", action="store_true", help="skip the strong ceiling (no PGR in the report)")
     p.add_argument("--tracking-uri", help="MLflow tracking URI (default: $MLFLOW_TRACKING_URI, else sqlite:///mlflow.db here)")
     p.add_argument("--experiment", help="MLflow experiment name (default: anchor-rm-<category>)")
@@ -75,9 +75,8 @@ def config_from_args(args):
         value = getattr(args, flag)
         if value is not None:
             setattr(t, field_name, value)
-    if args.fp32:
-        t.bf16 = cfg.teacher_train.bf16 = False
     t.__post_init__()
+    cfg.resolve_precision(args.precision)
     return cfg
 
 

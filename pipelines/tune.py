@@ -25,7 +25,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from _common import clean_errors, setup_logging  # noqa: E402
+from _common import add_precision_argument, clean_errors, setup_logging  # noqa: E402
 
 log = logging.getLogger("anchor_rm")
 NAME_TAG = "anchor_rm.tune_name"
@@ -44,6 +44,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--student", help="student model: short name, folder or hub id")
     p.add_argument("--teacher", help="weak teacher: short name, folder or hub id")
     p.add_argument("--seed", type=int, default=0, help="seed of the splits, the models and the search")
+    add_precision_argument(p)
     p.add_argument("--use-gpu", choices=["auto", "yes", "no"], default="auto", help="auto: when the Ray cluster has GPUs")
     p.add_argument("--ray-address", help="an existing Ray cluster (default: start a local one)")
     p.add_argument("--tracking-uri", help="MLflow tracking URI (default: $MLFLOW_TRACKING_URI, else sqlite:///mlflow.db here)")
@@ -69,6 +70,7 @@ def tune_config(args):
     if args.epochs is not None:
         cfg.student_train.epochs = args.epochs
     cfg.student_train.__post_init__()
+    cfg.resolve_precision(args.precision)
     return cfg
 
 
@@ -150,7 +152,7 @@ def run(args) -> int:
             mlflow.log_params({"preset": args.preset, "category": cfg.category, "student": cfg.student,
                                "teacher": cfg.teacher, "num_samples": args.num_samples or cfg_num_samples(args),
                                "concurrency": args.concurrency, "workers_per_trial": args.workers_per_trial,
-                               "epochs": cfg.student_train.epochs, "seed": args.seed})
+                               "epochs": cfg.student_train.epochs, "seed": args.seed, "precision": cfg.precision})
         existing = mlflow.get_run(parent_id).data.tags.get(REGISTERED_TAG)
         init_ray(args.ray_address)
         total_cpus = ray.cluster_resources().get("CPU", 1)
@@ -185,7 +187,7 @@ def run(args) -> int:
             for label, outcome in [("selected", selected)] + [(f"{b.config['method']} W2S", b) for b in baselines if b.checkpoint_path]:
                 folders[label] = checkpoint_folder(outcome, Path(tmp) / label.replace(" ", "_"))
                 reports[label] = evaluate_outcome(shared, outcome, folders[label], cfg.student, cfg.teacher,
-                                                  cfg.eval_batch_size, train_dict)
+                                                  cfg.eval_batch_size, train_dict, cfg.precision)
             selected_label = f"ANCHOR {selected.config['anchor_layers']} lambda={selected.config['anchor_lambda']:.2g} (selected)"
             reports = {selected_label if k == "selected" else k: v for k, v in reports.items()}
             report = reports[selected_label]
@@ -224,7 +226,7 @@ def shared_reference_states(cfg, shared):
     started = time.perf_counter()
     train_cfg = cfg.student_train
     rm = load_pretrained(cfg.student, train_cfg.max_length, train_cfg.seed)
-    states = reference_states(cfg.student, rm, shared.splits.student_train, LAYER_CHOICES, bf16=train_cfg.bf16,
+    states = reference_states(cfg.student, rm, shared.splits.student_train, LAYER_CHOICES, precision=train_cfg.precision,
                               batch_size=cfg.eval_batch_size)
     log.info("reference states for layers %s: %.0f MB in %.0f s", states.layers, states.nbytes() / 1e6,
              time.perf_counter() - started)

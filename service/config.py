@@ -16,6 +16,8 @@ MLFLOW_TRACKING_URI / MLFLOW_REGISTRY_URI (unset: SQLite mlflow.db in the workin
     ANCHOR_RM_MAX_LATENCY_MS        60000                                longest a queued pair may wait before a 503
     ANCHOR_RM_TIMEOUT_SECONDS       300                                  per-request timeout
     ANCHOR_RM_DOWNLOAD_DIR          (a new temporary folder)             where model versions are downloaded
+    ANCHOR_RM_PRECISION             auto                                 scoring precision: auto (bf16 autocast only on
+                                                                         hardware with native bf16), fp32 or bf16
 
 The file uses the same names in lower case without the prefix (model_uri = "...", poll_seconds = 30). The
 API key is read from the environment only: keep secrets out of files that get committed.
@@ -74,6 +76,7 @@ class Settings:
     max_latency_ms: int = 60000
     timeout_seconds: float = 300.0
     download_dir: str | None = None
+    precision: str = "auto"
 
     def limits(self) -> ServingLimits:
         return ServingLimits(self.max_items, self.max_candidates, self.max_text_bytes)
@@ -110,6 +113,8 @@ def _parse(name: str, source: str, raw: object) -> object:
             return False
         raise SettingsError(f"{source}={raw!r}: expected 1 or 0 (true/false, on/off)")
     text = str(raw).strip()
+    if name == "precision" and text not in ("auto", "fp32", "bf16"):
+        raise SettingsError(f"{source}={raw!r}: expected auto, fp32 or bf16")
     if name == "model_uri" and not text:
         raise SettingsError(f"{source} is empty: name a model, e.g. {DEFAULT_MODEL_URI}")
     return text or None

@@ -15,6 +15,7 @@ That route answers only calls carrying this process's internal token.
 
 from __future__ import annotations
 
+import functools
 import logging
 import math
 import secrets
@@ -69,7 +70,8 @@ class RewardService:
         self._own_root = not SETTINGS.download_dir
         self._root = Path(SETTINGS.download_dir) if SETTINGS.download_dir else serving.default_download_root()
         self.limits = SETTINGS.limits()
-        self.holder = serving.ModelHolder(SETTINGS.model_uri, self._root)
+        self.holder = serving.ModelHolder(SETTINGS.model_uri, self._root,
+                                          loader=functools.partial(serving.load_served_model, precision=SETTINGS.precision))
         self.holder.load()
         self.holder.start_polling(SETTINGS.poll_seconds)
 

@@ -52,6 +52,9 @@ def test_smoke_run_is_fully_recorded_on_a_tracking_server(tmp_path):
         local = Path(mlflow.artifacts.download_artifacts(run_id=student.info.run_id, dst_path=str(tmp_path / "dl")))
         report = json.loads((local / "report" / "report.json").read_text())
         assert report["model"]["method"] == "anchor" and report["figure_splits"] == "test"
+        # --precision auto was resolved once, in the driver: the run and the report say what ran.
+        from anchor_rm.precision import resolve_precision
+        assert student.data.params["train.precision"] == report["model"]["precision"] == resolve_precision("auto")
         assert [s["dataset"] for s in report["splits"]] == ["hh-helpful-base", "ultrafeedback", "pandalm"]
         digests = json.loads((local / "data_digests.json").read_text())
         assert "hh-helpful-base/student_train" in digests

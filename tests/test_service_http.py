@@ -25,6 +25,7 @@ from mlflow.tracking import MlflowClient
 
 from anchor_rm import registry
 from anchor_rm.encoding import RewardEncoder
+from anchor_rm.precision import resolve_precision
 from anchor_rm.report import SplitResult, build_report
 from anchor_rm.tracking import configure
 from anchor_rm.workflow import RewardModel, load_saved, save_reward_model
@@ -227,6 +228,7 @@ def test_model_and_report(store, http):
     assert info["run_id"] == MlflowClient().get_model_version(NAME, "1").run_id
     assert info["headline_metrics"]["mean_nts"] == pytest.approx(_report(54.0).mean_nts, abs=0.01)
     assert info["max_length"] == MAX_LENGTH and "left" in info["truncation_policy"]
+    assert info["precision"] == resolve_precision("auto")  # ANCHOR_RM_PRECISION unset: the hardware decides
     report = http.post("/report").json()
     assert report["mean_nts"] == pytest.approx(_report(54.0).mean_nts)
     assert [row["dataset"] for row in report["splits"]] == ["hh-helpful-base", "pandalm"]

@@ -62,8 +62,8 @@ def test_bf16_scoring_is_close_to_fp32_and_the_hook_sees_every_sequence(tiny_ber
     encoded = encode_pairs(encoder, _pairs())
     model = tiny_bert(3)
     seen = []
-    fp32 = RewardScorer(model, encoder, batch_size=5).score_pairs(encoded, lambda idx, hs, mask: seen.extend(idx))
-    bf16 = RewardScorer(model, encoder, batch_size=5, bf16=True).score_pairs(encoded)
+    fp32 = RewardScorer(model, encoder, batch_size=5, precision="fp32").score_pairs(encoded, lambda idx, hs, mask: seen.extend(idx))
+    bf16 = RewardScorer(model, encoder, batch_size=5, precision="bf16").score_pairs(encoded)
     assert sorted(seen) == list(range(2 * len(encoded)))
     np.testing.assert_allclose(bf16[0], fp32[0], atol=0.05)
     assert not np.array_equal(bf16[0], fp32[0])  # it really ran in bf16

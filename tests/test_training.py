@@ -24,7 +24,7 @@ def _train(tiny_bert, tok, config, targets=None, seed=0, reference=None):
 
 
 def test_gold_training_learns_a_separable_preference(tiny_bert, minilm_tokenizer):
-    config = TrainConfig(method="gold", epochs=4, batch_size=8, learning_rate=1e-3, bf16=False)
+    config = TrainConfig(method="gold", epochs=4, batch_size=8, learning_rate=1e-3, precision="fp32")
     model, enc, encoded, logs, _ = _train(tiny_bert, minilm_tokenizer, config)
     chosen, rejected = RewardScorer(model, enc).score_pairs(encoded)
     assert pairwise_accuracy(chosen, rejected) == 100.0
@@ -32,7 +32,7 @@ def test_gold_training_learns_a_separable_preference(tiny_bert, minilm_tokenizer
 
 
 def test_training_is_deterministic_on_cpu(tiny_bert, minilm_tokenizer):
-    config = TrainConfig(method="naive", epochs=1, batch_size=8, learning_rate=1e-3, bf16=False)
+    config = TrainConfig(method="naive", epochs=1, batch_size=8, learning_rate=1e-3, precision="fp32")
     a = _train(tiny_bert, minilm_tokenizer, config, targets=[0.8] * 48)[0]
     b = _train(tiny_bert, minilm_tokenizer, config, targets=[0.8] * 48)[0]
     for (name, pa), (_, pb) in zip(a.named_parameters(), b.named_parameters()):
@@ -42,7 +42,7 @@ def test_training_is_deterministic_on_cpu(tiny_bert, minilm_tokenizer):
 def test_anchor_term_is_zero_at_step_zero_and_grows(tiny_bert, minilm_tokenizer):
     reference = tiny_bert(0).eval()  # the same initial weights as the student
     config = TrainConfig(method="anchor", anchor_lambda=0.1, anchor_layers="middle", epochs=2, batch_size=8,
-                         learning_rate=1e-3, bf16=False)
+                         learning_rate=1e-3, precision="fp32")
     _, _, _, logs, _ = _train(tiny_bert, minilm_tokenizer, config, targets=[0.9] * 48, reference=reference)
     assert logs[0].anchor_loss == 0.0
     assert logs[-1].anchor_loss > 0.0
@@ -82,7 +82,7 @@ def test_cached_reference_states_give_the_uncached_anchor_loss(tiny_bert, minilm
     enc = RewardEncoder(minilm_tokenizer, 32, decoder=False)
     encoded = encode_pairs(enc, _pairs())
     reference = tiny_bert(0).eval()
-    cache = compute_reference_states(reference, encoded, [1, 2], minilm_tokenizer.pad_token_id, batch_size=5, bf16=False)
+    cache = compute_reference_states(reference, encoded, [1, 2], minilm_tokenizer.pad_token_id, batch_size=5, precision="fp32")
     student = tiny_bert(0)
     with torch.no_grad():  # a student that has drifted from the reference
         for p in student.parameters():
@@ -98,7 +98,7 @@ def test_cached_reference_states_give_the_uncached_anchor_loss(tiny_bert, minilm
         assert uncached > 0
         assert cached == pytest.approx(uncached, rel=1e-6)  # fp32 states for an fp32 run: same loss
     assert all(t.dtype == torch.float32 for per_layer in cache.states.values() for t in per_layer)
-    half = compute_reference_states(reference, encoded, [1, 2], minilm_tokenizer.pad_token_id, batch_size=5, bf16=True)
+    half = compute_reference_states(reference, encoded, [1, 2], minilm_tokenizer.pad_token_id, batch_size=5, precision="bf16")
     assert all(t.dtype == torch.float16 for per_layer in half.states.values() for t in per_layer)
     assert half.nbytes() * 2 == cache.nbytes()
 
@@ -108,8 +108,8 @@ def test_training_with_the_cache_starts_at_zero_anchor_loss(tiny_bert, minilm_to
 
     enc = RewardEncoder(minilm_tokenizer, 32, decoder=False)
     encoded = encode_pairs(enc, _pairs())
-    cache = compute_reference_states(tiny_bert(0), encoded, [2], minilm_tokenizer.pad_token_id, bf16=False)
-    config = TrainConfig(method="anchor", anchor_lambda=0.5, epochs=2, batch_size=8, learning_rate=1e-3, bf16=False)
+    cache = compute_reference_states(tiny_bert(0), encoded, [2], minilm_tokenizer.pad_token_id, precision="fp32")
+    config = TrainConfig(method="anchor", anchor_lambda=0.5, epochs=2, batch_size=8, learning_rate=1e-3, precision="fp32")
     logs = []
     train_reward_model(tiny_bert(0), encoded, [0.9] * len(encoded), config, reference=cache,
                        pad_token_id=minilm_tokenizer.pad_token_id, on_step=logs.append)
@@ -122,7 +122,7 @@ def test_a_cache_of_other_pairs_is_refused(tiny_bert, minilm_tokenizer):
     enc = RewardEncoder(minilm_tokenizer, 32, decoder=False)
     encoded = encode_pairs(enc, _pairs())
     other = encode_pairs(enc, _pairs(40))
-    states = compute_reference_states(tiny_bert(0), other, [2], minilm_tokenizer.pad_token_id, bf16=False)
+    states = compute_reference_states(tiny_bert(0), other, [2], minilm_tokenizer.pad_token_id, precision="fp32")
     with pytest.raises(ValueError, match="other token sequences"):
-        train_reward_model(tiny_bert(0), encoded, [0.9] * len(encoded), TrainConfig(method="anchor", bf16=False),
+        train_reward_model(tiny_bert(0), encoded, [0.9] * len(encoded), TrainConfig(method="anchor", precision="fp32"),
                            reference=states, pad_token_id=minilm_tokenizer.pad_token_id)

@@ -24,13 +24,13 @@ def checkpoint_folder(outcome: TrialOutcome, into: Path) -> Path:
 
 
 def evaluate_outcome(shared: SharedStages, outcome: TrialOutcome, folder: Path, student: str, teacher: str,
-                     eval_batch_size: int, train_config: dict) -> EvaluationReport:
+                     eval_batch_size: int, train_config: dict, precision: str) -> EvaluationReport:
     rm = load_saved(folder)
     method = outcome.config.get("method")
     info = {"name": f"{student} ({method})", "student": student, "teacher": teacher, "method": method,
             "hyperparameters": {**train_config, **{k: v for k, v in outcome.config.items() if v is not None}},
             "run_id": None}
-    return final_report(shared, rm, info, eval_batch_size, selection_splits="val")
+    return final_report(shared, rm, info, eval_batch_size, precision, selection_splits="val")
 
 
 def comparison_table(reports: dict[str, EvaluationReport]) -> str:

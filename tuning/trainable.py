@@ -222,7 +222,7 @@ def train_loop_per_worker(config: dict) -> None:
         metrics = {}
         with tempfile.TemporaryDirectory() as tmp:
             if rank == 0:
-                scores = evaluate_model(rm, payload.splits, "val", cfg.eval_batch_size)
+                scores = evaluate_model(rm, payload.splits, "val", cfg.eval_batch_size, precision=cfg.precision)
                 metrics = validation_metrics(payload.splits.source, teacher_val, scores)
                 metrics["worker/peak_rss_mb"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
                 logger.add(metrics, epoch)

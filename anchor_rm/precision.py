@@ -1,0 +1,129 @@
+"""The precision of forward passes, picked from the hardware once per process.
+
+bf16 autocast is about 3-4x faster than fp32 where the hardware computes bf16 natively (a CUDA GPU with
+bf16, a CPU with AVX512-BF16 or AMX) and about 70x *slower* in a matmul where it does not (an AVX2-only CPU
+emulates it; a MiniLM-L6 training step there takes about 10x its fp32 time). So "auto" means: bf16 only
+where it is both native and measured faster, fp32 everywhere else. Training, the reference cache, soft
+labels, evaluation and the service all take their precision from `resolve_precision`, and the pipelines
+resolve it once in the driver and pass the concrete value ("fp32" or "bf16") on, so that cache keys, MLflow
+params, reports and Ray workers all carry what actually ran.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import logging
+import time
+import warnings
+from pathlib import Path
+
+import torch
+
+log = logging.getLogger("anchor_rm")
+
+PRECISIONS = ("auto", "fp32", "bf16")
+_NATIVE_CPU_FLAGS = ("avx512_bf16", "amx_bf16")
+
+
+def check_precision(precision: str, where: str = "precision") -> str:
+    if precision not in PRECISIONS:
+        raise ValueError(f"{where} must be one of {', '.join(PRECISIONS)}, got {precision!r}")
+    return precision
+
+
+def cpu_model() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    import platform
+
+    return platform.processor() or "unknown CPU"
+
+
+def cpu_bf16_flags() -> list[str] | None:
+    """The CPU's native-bf16 instruction flags, or None where /proc/cpuinfo cannot tell (not Linux)."""
+    try:
+        text = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return None
+    flags = set()
+    for line in text.splitlines():
+        if line.startswith("flags"):
+            flags.update(line.split(":", 1)[1].split())
+            break
+    return [flag for flag in _NATIVE_CPU_FLAGS if flag in flags]
+
+
+@functools.cache
+def bf16_matmul_slowdown(size: int = 256, repeats: int = 3) -> float:
+    """bf16 time over fp32 time of one size x size CPU matmul here (best of `repeats`): below 1 means bf16
+    is faster. About 0.25 on a CPU with AVX512-BF16, about 70 on an AVX2-only one (~40 ms per bf16 call)."""
+    def best(dtype) -> float:
+        a, b = torch.randn(size, size, dtype=dtype), torch.randn(size, size, dtype=dtype)
+        a @ b  # the first call pays one-off kernel selection
+        times = []
+        for _ in range(repeats):
+            started = time.perf_counter()
+            a @ b
+            times.append(time.perf_counter() - started)
+        return min(times)
+
+    return best(torch.bfloat16) / max(best(torch.float32), 1e-9)
+
+
+def describe_hardware(device_type: str = "cpu") -> str:
+    if device_type == "cuda":
+        return torch.cuda.get_device_name(0)
+    flags = cpu_bf16_flags()
+    native = "native bf16 (" + ", ".join(flags) + ")" if flags else ("no native bf16" if flags is not None else "bf16 support unknown")
+    return f"{cpu_model()}, {native}"
+
+
+def native_bf16(device_type: str = "cpu") -> bool:
+    """Whether bf16 is computed natively *and* is faster than fp32 here."""
+    if device_type == "cuda":
+        return torch.cuda.is_available() and torch.cuda.is_bf16_supported(including_emulation=False)
+    if device_type != "cpu":
+        return False
+    flags = cpu_bf16_flags()
+    if flags == []:
+        return False  # no native instruction: emulated, never worth it
+    return bf16_matmul_slowdown() < 1.0  # native (or unknown): bf16 only where measured faster
+
+
+@functools.cache
+def resolve_precision(requested: str = "auto", device_type: str = "cpu") -> str:
+    """"fp32" or "bf16" for `requested` on this device, decided once per process and logged once.
+
+    "auto" picks bf16 only where it is native and faster. An explicit "bf16" on a CPU that would emulate it
+    is honoured, with one warning giving the measured slowdown.
+    """
+    check_precision(requested)
+    if requested == "fp32":
+        return "fp32"
+    if requested == "bf16":
+        if device_type == "cpu" and not native_bf16("cpu"):
+            message = (f"precision bf16 requested, but this CPU ({describe_hardware('cpu')}) does not compute bf16 "
+                       f"natively: a bf16 matmul measured {bf16_matmul_slowdown():.0f}x the time of fp32 here, and "
+                       "training will be several times slower; --precision auto would pick fp32")
+            warnings.warn(message, stacklevel=2)
+            log.warning(message)
+        return "bf16"
+    chosen = "bf16" if native_bf16(device_type) else "fp32"
+    log.info("precision auto -> %s on %s", chosen, describe_hardware(device_type))
+    return chosen
+
+
+def uses_bf16(precision: str, device_type: str = "cpu") -> bool:
+    return resolve_precision(precision, device_type) == "bf16"
+
+
+def autocast(precision: str, device_type: str):
+    """bf16 autocast when `precision` resolves to bf16 on this device, else nothing."""
+    if uses_bf16(precision, device_type):
+        return torch.autocast(device_type, dtype=torch.bfloat16)
+    return contextlib.nullcontext()
