@@ -8,6 +8,7 @@ import platform
 import resource
 import statistics
 import sys
+import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -21,16 +22,10 @@ os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
 def machine() -> str:
     import torch
 
-    cpu = "unknown CPU"
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                cpu = line.split(":", 1)[1].strip()
-                break
-    except OSError:
-        pass
+    from anchor_rm.precision import describe_hardware
+
     gpu = torch.cuda.get_device_name(0) if torch.cuda.is_available() else "no GPU"
-    return (f"{os.cpu_count()} cores ({cpu}), {gpu}, Python {platform.python_version()}, torch {torch.__version__} "
+    return (f"{os.cpu_count()} cores ({describe_hardware('cpu')}), {gpu}, Python {platform.python_version()}, torch {torch.__version__} "
             f"({torch.get_num_threads()} threads)")
 
 
@@ -66,3 +61,40 @@ def markdown_table(header: list[str], rows: list[list[str]]) -> str:
     lines = ["| " + " | ".join(header) + " |", "|" + "|".join("---" if i == 0 else "---:" for i in range(len(header))) + "|"]
     lines += ["| " + " | ".join(row) + " |" for row in rows]
     return "\n".join(lines)
+
+
+def _busy_seconds() -> float:
+    """CPU seconds all processes on the machine have spent busy since boot (/proc/stat)."""
+    fields = Path("/proc/stat").read_text().split("\n", 1)[0].split()[1:]
+    user, nice, system, _idle, _iowait, irq, softirq, steal = (int(v) for v in fields[:8])
+    return (user + nice + system + irq + softirq + steal) / os.sysconf("SC_CLK_TCK")
+
+
+def _own_seconds() -> float:
+    own = resource.getrusage(resource.RUSAGE_SELF)
+    children = resource.getrusage(resource.RUSAGE_CHILDREN)
+    return own.ru_utime + own.ru_stime + children.ru_utime + children.ru_stime
+
+
+class Disturbance:
+    """How much CPU other processes took while a measurement ran, as a fraction of the machine's capacity
+    over that time. The rule the benchmarks state before they run: a repeat with more than
+    DISTURBED (10%) is disturbed; it is reported, marked, and left out of the medians.
+
+        with Disturbance() as d:
+            ...
+        d.fraction, d.disturbed
+    """
+
+    DISTURBED = 0.10
+
+    def __enter__(self):
+        self._busy, self._own, self._wall = _busy_seconds(), _own_seconds(), time.perf_counter()
+        return self
+
+    def __exit__(self, *exc):
+        wall = time.perf_counter() - self._wall
+        others = (_busy_seconds() - self._busy) - (_own_seconds() - self._own)
+        self.fraction = max(0.0, others) / max(wall * (os.cpu_count() or 1), 1e-9)
+        self.disturbed = self.fraction > self.DISTURBED
+        return False

@@ -32,7 +32,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from _common import machine, markdown_table, median, peak_rss_mb, positive_int, source_splits
+from _common import Disturbance, machine, markdown_table, median, peak_rss_mb, positive_int, source_splits
 
 # variant -> (method, layer choice, cached)
 VARIANTS = {
@@ -54,7 +54,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--repeats", type=positive_int, default=2, help="rounds of all variants")
     parser.add_argument("--variants", default=",".join(VARIANTS), help="comma-separated subset of " + ", ".join(VARIANTS))
     parser.add_argument("--anchor-lambda", type=float, default=0.1)
-    parser.add_argument("--fp32", action="store_true", help="no bf16 autocast (the trainer's default is bf16)")
+    parser.add_argument("--precision", choices=["auto", "fp32", "bf16"], default="auto",
+                        help="training precision (auto, the trainer's default: bf16 only on native-bf16 hardware)")
     parser.add_argument("--device", default="cpu", help="cpu or cuda")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--out", help="also write every measurement as JSON here")
@@ -72,6 +73,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     if args.device not in ("cpu", "cuda"):
         parser.error(f"--device must be cpu or cuda, got {args.device!r}")
     args.variant_list = variants
+    from anchor_rm.precision import resolve_precision
+
+    args.precision = resolve_precision(args.precision, args.device)
     return args
 
 
@@ -95,7 +99,7 @@ def run_one(args: argparse.Namespace, variant: str) -> dict:
     targets = np.random.default_rng(args.seed).uniform(0.3, 0.9, len(encoded)).tolist()
     config = TrainConfig(method=method, anchor_lambda=args.anchor_lambda if method == "anchor" else 0.0,
                          anchor_layers=layer_choice or "last", epochs=args.epochs, batch_size=args.batch_size,
-                         learning_rate=1e-4, max_length=args.max_length, seed=args.seed, bf16=not args.fp32)
+                         learning_rate=1e-4, max_length=args.max_length, seed=args.seed, precision=args.precision)
     gc.collect()
     if device.type == "cuda":
         torch.cuda.synchronize()
@@ -110,7 +114,7 @@ def run_one(args: argparse.Namespace, variant: str) -> dict:
             layers = resolve_anchor_layers(layer_choice, rm.model.config.num_hidden_layers)
             # Replacing the variable drops the reference model: only its states stay in memory.
             reference = compute_reference_states(reference, encoded, layers, rm.encoder.pad_token_id,
-                                                 batch_size=32, bf16=config.bf16)
+                                                 batch_size=32, precision=config.precision)
             cache_mb = reference.nbytes() / 2**20
     setup_s = time.perf_counter() - started
 
@@ -135,10 +139,27 @@ def run_one(args: argparse.Namespace, variant: str) -> dict:
 
 
 def run_in_subprocess(argv: list[str], variant: str) -> dict:
-    with tempfile.TemporaryDirectory() as tmp:
+    with tempfile.TemporaryDirectory() as tmp, Disturbance() as d:
         out = Path(tmp) / "result.json"
         subprocess.run([sys.executable, __file__, *argv, "--one", variant, "--json-out", str(out)], check=True)
-        return json.loads(out.read_text())
+    return {**json.loads(out.read_text()), "others": d.fraction, "disturbed": d.disturbed}
+
+
+def undisturbed(mine: list[dict], naive: list[dict]) -> list[tuple[dict, dict]]:
+    """(variant, naive) runs of the same repeat where neither was disturbed (the rule stated beforehand)."""
+    return [(m, n) for m, n in zip(mine, naive) if not (m["disturbed"] or n["disturbed"])]
+
+
+def per_repeat(args: argparse.Namespace, runs: dict[str, list[dict]]) -> str:
+    """Every repeat's epochs-2+ ratio against naive, with what other processes took while each ran."""
+    rows = []
+    for variant in args.variant_list:
+        for repeat, (m, n) in enumerate(zip(runs[variant], runs["naive"])):
+            later = sum(m["epoch_seconds"][1:]) / sum(n["epoch_seconds"][1:]) if args.epochs > 1 else float("nan")
+            flag = " (disturbed: left out)" if m["disturbed"] or n["disturbed"] else ""
+            rows.append([variant, str(repeat + 1), " ".join(f"{s:.1f}" for s in m["epoch_seconds"]),
+                         f"{later:.3f}{flag}", f"{m['others']:.0%}"])
+    return markdown_table(["variant", "repeat", "epoch s", "epochs 2+ over naive", "other processes"], rows)
 
 
 def summarise(args: argparse.Namespace, runs: dict[str, list[dict]]) -> str:
@@ -152,9 +173,10 @@ def summarise(args: argparse.Namespace, runs: dict[str, list[dict]]) -> str:
     rows = []
     for variant in args.variant_list:
         mine = runs[variant]
-        seconds = [median([r["epoch_seconds"][e] for r in mine]) for e in range(epochs)]
-        ratios = [median([m["epoch_seconds"][e] / n["epoch_seconds"][e] for m, n in zip(mine, naive)]) for e in range(epochs)]
-        later = median([sum(m["epoch_seconds"][1:]) / sum(n["epoch_seconds"][1:]) for m, n in zip(mine, naive)]) if epochs > 1 else ratios[0]
+        kept = undisturbed(mine, naive)
+        seconds = [median([m["epoch_seconds"][e] for m, _ in kept]) for e in range(epochs)]
+        ratios = [median([m["epoch_seconds"][e] / n["epoch_seconds"][e] for m, n in kept]) for e in range(epochs)]
+        later = median([sum(m["epoch_seconds"][1:]) / sum(n["epoch_seconds"][1:]) for m, n in kept]) if epochs > 1 else ratios[0]
         rss = median([r["peak_rss_mb"] for r in mine])
         row = ([variant] + [f"{s:.1f}" for s in seconds] + [f"{r:.3f}" for r in ratios]
                + [f"{later:.3f}", f"{median([r['setup_seconds'] for r in mine]):.1f}",
@@ -165,8 +187,8 @@ def summarise(args: argparse.Namespace, runs: dict[str, list[dict]]) -> str:
     first = naive[0]
     notes = [
         f"{args.model}, {first['pairs']} pairs of {args.source} student-train, batch {args.batch_size}, max length "
-        f"{args.max_length}, {epochs} epochs, {'fp32' if args.fp32 else 'bf16 autocast'}, lambda {args.anchor_lambda}, "
-        f"{args.repeats} repeats (medians), {first['tokens_per_epoch']} tokens per epoch; {machine()}",
+        f"{args.max_length}, {epochs} epochs, {'bf16 autocast' if args.precision == 'bf16' else 'fp32'}, lambda {args.anchor_lambda}, "
+        f"{args.repeats} repeats (medians of the undisturbed ones), {first['tokens_per_epoch']} tokens per epoch; {machine()}",
         "last-step anchor loss: " + ", ".join(
             f"{v} {median([r['last_anchor_loss'] for r in runs[v]]):.3g}" for v in args.variant_list if v != "naive"),
     ]
@@ -192,7 +214,7 @@ def main(argv=None) -> int:
                   + " ".join(f"{s:.1f}" for s in result["epoch_seconds"])
                   + f" s (setup {result['setup_seconds']:.1f} s), peak RSS {result['peak_rss_mb']:.0f} MB", flush=True)
     # Ratios pair the runs of one repeat; the lists are in repeat order for every variant.
-    table = summarise(args, runs)
+    table = summarise(args, runs) + "\n\nEvery repeat:\n\n" + per_repeat(args, runs)
     print("\n" + table)
     if args.out:
         Path(args.out).write_text(json.dumps({"args": {k: v for k, v in vars(args).items() if k not in ("one", "json_out")},

@@ -1,9 +1,9 @@
 """Evaluation throughput of the one scoring path (RewardScorer: tokenise, truncate, length-sorted batches,
-score), in pairs per second, fp32 (the default of evaluation and the service) against bf16 autocast
-(not a test).
+score), in pairs per second, fp32 against bf16 autocast (with the reward head in fp32), the two precisions
+`auto` chooses between (not a test).
 
-The fp32 figure is `workflow.evaluate_pairs` itself (encode + score + accuracy); the bf16 figure is the same
-call path with `RewardScorer(..., bf16=True)`. A pair is two scored sequences (chosen and rejected). The
+Both figures are `workflow.evaluate_pairs` itself (encode + score + accuracy) with `precision="fp32"` and
+`precision="bf16"`; on a CPU without native bf16 the bf16 column shows what emulation costs. A pair is two scored sequences (chosen and rejected). The
 model is first trained briefly on gold labels so that its rewards separate pairs, then the two precisions
 are compared on what they decide: accuracy, pairs whose verdict flips, largest reward difference.
 
@@ -59,7 +59,8 @@ def main(argv=None) -> int:
     rm = load_pretrained(args.model, args.max_length, args.seed)
     if args.train_pairs:
         train_on_pairs(rm, splits.student_train, None,
-                       TrainConfig(method="gold", epochs=1, learning_rate=1e-4, max_length=args.max_length, seed=args.seed))
+                       TrainConfig(method="gold", epochs=1, learning_rate=1e-4, max_length=args.max_length, seed=args.seed,
+                                   precision="fp32"))
     pairs = splits.id_test
 
     started = time.perf_counter()
@@ -67,17 +68,14 @@ def main(argv=None) -> int:
     encode_seconds = time.perf_counter() - started
     tokens = sum(len(e.input_ids) for e in encoded.chosen + encoded.rejected)
 
-    def timed_fp32(batch_size: int) -> float:
-        started = time.perf_counter()
-        evaluate_pairs(rm, pairs, batch_size)  # the evaluation code path, unchanged
-        return time.perf_counter() - started
+    def timed(precision: str):
+        def run(batch_size: int) -> float:
+            started = time.perf_counter()
+            evaluate_pairs(rm, pairs, batch_size, precision=precision)  # the evaluation code path
+            return time.perf_counter() - started
+        return run
 
-    def timed_bf16(batch_size: int) -> float:
-        started = time.perf_counter()
-        scorer = RewardScorer(rm.model, rm.encoder, batch_size, bf16=True)
-        chosen, rejected = scorer.score_pairs(encode_pairs(rm.encoder, pairs))
-        pairwise_accuracy(chosen, rejected)
-        return time.perf_counter() - started
+    timed_fp32, timed_bf16 = timed("fp32"), timed("bf16")
 
     timed_bf16(args.batch_size_list[0])  # warm-up: the first autocast call pays one-off costs
     seconds: dict[tuple[str, int], list[float]] = {}
@@ -89,8 +87,8 @@ def main(argv=None) -> int:
                       flush=True)
 
     reference = args.batch_size_list[0] if 32 not in args.batch_size_list else 32
-    fp32_c, fp32_r = RewardScorer(rm.model, rm.encoder, reference).score_pairs(encoded)
-    bf16_c, bf16_r = RewardScorer(rm.model, rm.encoder, reference, bf16=True).score_pairs(encoded)
+    fp32_c, fp32_r = RewardScorer(rm.model, rm.encoder, reference, "fp32").score_pairs(encoded)
+    bf16_c, bf16_r = RewardScorer(rm.model, rm.encoder, reference, "bf16").score_pairs(encoded)
     flips = int(np.sum((fp32_c > fp32_r) != (bf16_c > bf16_r)))
     max_diff = float(np.max(np.abs(np.concatenate([fp32_c - bf16_c, fp32_r - bf16_r]))))
 

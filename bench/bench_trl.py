@@ -2,14 +2,14 @@
 
 Both start from the same pretrained weights and the same fresh reward head, train on the same pairs with
 the same batch size, max length, epochs, learning rate, schedule (linear, 10% warm-up), weight decay,
-gradient clipping, dropout (off) and bf16 autocast, and are scored by the same scorer on the same ID test
-split. What differs is the training loop:
+gradient clipping, dropout (off) and precision (`--precision`, default auto: bf16 autocast on hardware with
+native bf16, else fp32), and are scored by the same scorer, in fp32, on the same ID test split. What differs is the training loop:
 
     ours-soft     our trainer on the teacher's soft labels q (the project's naive W2S)
     ours-hard     our trainer on the teacher's hard labels (q > 0.5 -> 1, else 0): TRL's exact loss
     ours-random   ours-hard with random batches instead of length-grouped ones
     ours-unfused  ours-hard with the unfused AdamW the trainer used before issue 5 (torch's CPU default)
-    ours-soft-fp32  ours-soft without bf16 autocast: does bf16 cost accuracy? (not in the default set)
+    ours-soft-fp32  ours-soft in fp32 whatever --precision says: does bf16 cost accuracy? (not in the default set)
     trl           TRL RewardTrainer on the hard labels (each pair oriented by the teacher), its default sampler
     trl-grouped   the same with train_sampling_strategy="group_by_length"
 
@@ -19,6 +19,12 @@ very token sequences our encoder makes (prompt cut from the left, text pair with
 `chosen_ids`/`rejected_ids`: its own max_length would drop long pairs instead of truncating them.
 
     .venv/bin/python bench/bench_trl.py                    # MiniLM-L6, 320 pairs, 2 epochs, batch 16, 192 tokens
+    .venv/bin/python bench/bench_trl.py --trainers ours-hard,trl --seeds 0,1,2   # speed and accuracy over 3 seeds
+
+A seed fixes the splits, the teacher, the fresh head and the batch order. Every (seed, repeat, trainer) is
+shown; one during which other processes took more than 10% of the CPU (bench/_common.Disturbance, a rule
+fixed before the run) is marked and left out of the pairs/s medians; accuracies are kept (they do not
+depend on load).
     .venv/bin/python bench/bench_trl.py --train-pairs 32 --test-pairs 32 --epochs 1 --max-length 64 --labels gold
 
 Needs the benchmark extra: `.venv/bin/pip install -e '.[bench]'` (trl).
@@ -33,7 +39,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from _common import machine, markdown_table, positive_int, source_splits
+from _common import Disturbance, machine, markdown_table, positive_int, source_splits
 
 TRAINERS = ("ours-soft", "ours-hard", "ours-random", "ours-unfused", "trl", "trl-grouped", "ours-soft-fp32")
 DEFAULT_TRAINERS = TRAINERS[:-1]
@@ -53,18 +59,28 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--batch-size", type=positive_int, default=16)
     parser.add_argument("--max-length", type=positive_int, default=192)
     parser.add_argument("--learning-rate", type=float, default=1e-4)
-    parser.add_argument("--fp32", action="store_true", help="no bf16 autocast for either trainer")
+    parser.add_argument("--precision", choices=["auto", "fp32", "bf16"], default="auto",
+                        help="training precision of both trainers (auto: bf16 autocast only on native-bf16 hardware)")
     parser.add_argument("--trainers", default=",".join(DEFAULT_TRAINERS), help="comma-separated subset of " + ", ".join(TRAINERS))
     parser.add_argument("--repeats", type=positive_int, default=1, help="rounds of all trainers (order rotates)")
-    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--seeds", default="0", help="comma-separated seeds (default 0)")
     parser.add_argument("--out", help="also write the figures as JSON here")
     args = parser.parse_args(argv)
     args.trainer_list = [t for t in args.trainers.split(",") if t]
+    try:
+        args.seed_list = [int(s) for s in args.seeds.split(",") if s.strip()]
+    except ValueError:
+        parser.error(f"--seeds must be comma-separated integers, got {args.seeds!r}")
+    if not args.seed_list:
+        parser.error("--seeds is empty")
     unknown = [t for t in args.trainer_list if t not in TRAINERS]
     if unknown or not args.trainer_list:
         parser.error(f"--trainers: unknown {unknown or 'empty'}; choose from {', '.join(TRAINERS)}")
     if args.learning_rate <= 0:
         parser.error(f"--learning-rate must be > 0, got {args.learning_rate}")
+    from anchor_rm.precision import resolve_precision
+
+    args.precision = resolve_precision(args.precision)  # once, here: both trainers get the same
     return args
 
 
@@ -73,7 +89,7 @@ def train_config(args: argparse.Namespace, **overrides):
 
     return TrainConfig(**{"method": "naive", "epochs": args.epochs, "batch_size": args.batch_size,
                           "learning_rate": args.learning_rate, "max_length": args.max_length, "seed": args.seed,
-                          "bf16": not args.fp32, **overrides})
+                          "precision": args.precision, **overrides})
 
 
 def weak_labels(args: argparse.Namespace, splits) -> list[float]:
@@ -99,7 +115,7 @@ def train_ours(args: argparse.Namespace, trainer: str, rm, encoded, q: list[floa
     targets = q if trainer.startswith("ours-soft") else [1.0 if p >= 0.5 else 0.0 for p in q]
     overrides = {"length_grouped": trainer != "ours-random"}
     if trainer == "ours-soft-fp32":
-        overrides["bf16"] = False
+        overrides["precision"] = "fp32"
     config = train_config(args, **overrides)
     adamw = torch.optim.AdamW
     if trainer == "ours-unfused":  # the trainer as it was before it asked for the fused kernel
@@ -140,7 +156,7 @@ def train_trl(args: argparse.Namespace, trainer: str, rm, encoded, q: list[float
         config = RewardConfig(
             output_dir=tmp, per_device_train_batch_size=args.batch_size, num_train_epochs=args.epochs,
             learning_rate=args.learning_rate, lr_scheduler_type="linear", warmup_steps=0.1, weight_decay=0.01,
-            max_grad_norm=1.0, bf16=not args.fp32, activation_checkpointing=False, disable_dropout=True,
+            max_grad_norm=1.0, bf16=args.precision == "bf16", activation_checkpointing=False, disable_dropout=True,
             max_length=None,  # the sequences are already truncated as ours are
             train_sampling_strategy="group_by_length" if trainer == "trl-grouped" else "random",
             remove_unused_columns=False, save_strategy="no", eval_strategy="no", report_to="none",
@@ -170,7 +186,7 @@ def run_trainer(args: argparse.Namespace, trainer: str, splits, q: list[float]) 
     seconds = (train_trl if trainer.startswith("trl") else train_ours)(args, trainer, rm, encoded, kept_q)
     test = rm.encode(splits.id_test)
     started = time.perf_counter()
-    chosen, rejected = rm.scorer().score_pairs(test)
+    chosen, rejected = rm.scorer(precision="fp32").score_pairs(test)
     return {"trainer": trainer, "pairs": len(encoded), "seconds": seconds,
             "pairs_per_second": len(encoded) * args.epochs / seconds,
             "id_test_accuracy": pairwise_accuracy(chosen, rejected), "id_test_ties": tie_rate(chosen, rejected),
@@ -186,31 +202,47 @@ def main(argv=None) -> int:
         raise SystemExit("bench_trl.py needs TRL: .venv/bin/pip install -e '.[bench]'") from None
     import statistics
 
-    splits = source_splits(args.source, args.seed, {"teacher_train": args.teacher_pairs, "student_train": args.train_pairs,
-                                                    "id_test": args.test_pairs})
-    q = weak_labels(args, splits)
     results: dict[str, list[dict]] = {t: [] for t in args.trainer_list}
-    for repeat in range(args.repeats):
-        k = repeat % len(args.trainer_list)
-        for trainer in args.trainer_list[k:] + args.trainer_list[:k]:
-            result = run_trainer(args, trainer, splits, q)
-            results[trainer].append(result)
-            print(json.dumps(result), flush=True)
+    for seed in args.seed_list:
+        args.seed = seed
+        splits = source_splits(args.source, seed, {"teacher_train": args.teacher_pairs, "student_train": args.train_pairs,
+                                                   "id_test": args.test_pairs})
+        q = weak_labels(args, splits)
+        for repeat in range(args.repeats):
+            k = repeat % len(args.trainer_list)
+            for trainer in args.trainer_list[k:] + args.trainer_list[:k]:
+                with Disturbance() as d:
+                    result = run_trainer(args, trainer, splits, q)
+                result.update(seed=seed, repeat=repeat + 1, others=d.fraction, disturbed=d.disturbed)
+                results[trainer].append(result)
+                print(json.dumps(result), flush=True)
 
     def med(trainer: str, key: str) -> float:
-        return statistics.median(r[key] for r in results[trainer])
+        kept = [r[key] for r in results[trainer] if not (key == "pairs_per_second" and r["disturbed"])]
+        return statistics.median(kept) if kept else float("nan")
+
+    def mean_accuracy(trainer: str) -> float:
+        return statistics.mean(r["id_test_accuracy"] for r in results[trainer])
 
     base = "trl" if "trl" in results else args.trainer_list[0]
     rows = [[t, f"{med(t, 'pairs_per_second'):.2f}", f"{med(t, 'pairs_per_second') / med(base, 'pairs_per_second'):.2f}",
-             f"{med(t, 'seconds'):.0f}", f"{med(t, 'id_test_accuracy'):.1f}", f"{med(t, 'id_test_ties'):.1f}"]
+             f"{med(t, 'seconds'):.0f}", f"{mean_accuracy(t):.1f}", f"{mean_accuracy(t) - mean_accuracy(base):+.1f}",
+             f"{med(t, 'id_test_ties'):.1f}"]
             for t in args.trainer_list]
-    table = markdown_table(["trainer", "pairs/s", f"vs {base}", "train s", "ID test acc", "ties %"], rows)
+    table = markdown_table(["trainer", "pairs/s (median)", f"vs {base}", "train s", "ID test acc (mean)",
+                            f"acc - {base}", "ties %"], rows)
+    every = [[str(r["seed"]), str(r["repeat"]), t, f"{r['pairs_per_second']:.2f}", f"{r['id_test_accuracy']:.1f}",
+              f"{r['others']:.0%}" + (" disturbed" if r["disturbed"] else "")]
+             for t in args.trainer_list for r in results[t]]
+    table += "\n\nEvery run:\n\n" + markdown_table(["seed", "repeat", "trainer", "pairs/s", "ID test acc",
+                                                       "other processes"], sorted(every))
     first = next(iter(results.values()))[0]
     note = (f"{args.model}, {first['pairs']} {args.source} student-train pairs x {args.epochs} epochs, batch "
             f"{args.batch_size}, max length {args.max_length}, lr {args.learning_rate}, "
-            f"{'fp32' if args.fp32 else 'bf16 autocast'}, labels: {args.labels}"
+            f"{'bf16 autocast' if args.precision == 'bf16' else 'fp32'} training, labels: {args.labels}"
             + (f" ({args.teacher} on {len(splits.teacher_train)} gold pairs)" if args.labels == "teacher" else "")
-            + f"; ID test {first['id_test_pairs']} pairs; {args.repeats} repeat(s), medians; trl {trl.__version__}; {machine()}")
+            + f"; ID test {first['id_test_pairs']} pairs; seeds {args.seeds}, {args.repeats} repeat(s) each; "
+            f"trl {trl.__version__}; {machine()}")
     print("\n" + table + "\n\n" + note)
     if args.out:
         Path(args.out).write_text(json.dumps({"args": vars(args), "results": results, "table": table, "note": note}, indent=2))

@@ -1,0 +1,159 @@
+"""What bf16 costs or saves on this machine, and what `--precision auto` chooses (not a test).
+
+Three parts, each in the same run so that ratios are taken on the same machine state:
+
+    matmul  torch matmul 1024x1024 with this process's threads: GFLOP/s in fp32 and in bf16
+    step    MiniLM-L6 forward + backward + fused AdamW on 16 pairs (32 sequences) x 128 tokens of HH
+            helpful-base: seconds per step in fp32 and under bf16 autocast (median of --steps, after one
+            warm-up step)
+    smoke   `pipelines/train.py --preset smoke` end to end with --precision auto, fp32 and bf16, each in a
+            fresh folder with a fresh MLflow store (no stage reused); the order rotates between repeats
+
+Every repeat is shown. The rule for a disturbed repeat is fixed before the run (bench/_common.Disturbance):
+if other processes took more than 10% of the machine's CPU while it ran, it is marked "disturbed" and left
+out of the medians.
+
+    .venv/bin/python bench/precision.py                       # all three parts, 3 smoke repeats (~5 min native bf16)
+    .venv/bin/python bench/precision.py --parts matmul,step   # a minute
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+from _common import ROOT, Disturbance, machine, markdown_table, median, positive_int
+
+PARTS = ("matmul", "step", "smoke")
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--parts", default=",".join(PARTS), help="comma-separated subset of " + ", ".join(PARTS))
+    parser.add_argument("--repeats", type=positive_int, default=3, help="smoke runs per precision")
+    parser.add_argument("--steps", type=positive_int, default=5, help="training steps timed per precision")
+    parser.add_argument("--out", help="also write every measurement as JSON here")
+    args = parser.parse_args(argv)
+    args.part_list = [p for p in args.parts.split(",") if p]
+    unknown = [p for p in args.part_list if p not in PARTS]
+    if unknown or not args.part_list:
+        parser.error(f"--parts: unknown {unknown or 'empty'}; choose from {', '.join(PARTS)}")
+    return args
+
+
+def matmul(size: int = 1024, calls: int = 10) -> list[list[str]]:
+    import torch
+
+    rows = []
+    for dtype, name in ((torch.float32, "fp32"), (torch.bfloat16, "bf16")):
+        a, b = torch.randn(size, size, dtype=dtype), torch.randn(size, size, dtype=dtype)
+        a @ b
+        with Disturbance() as d:
+            started = time.perf_counter()
+            for _ in range(calls):
+                a @ b
+            seconds = time.perf_counter() - started
+        rows.append([name, f"{2 * size**3 * calls / seconds / 1e9:.1f}", f"{d.fraction:.0%}"])
+    return rows
+
+
+def training_step(steps: int) -> tuple[list[list[str]], dict]:
+    import torch
+
+    from anchor_rm.encoding import collate
+    from anchor_rm.precision import autocast
+    from anchor_rm.scoring import reward_forward
+    from anchor_rm.splits import build_protocol_splits
+    from anchor_rm.workflow import load_pretrained
+
+    splits = build_protocol_splits("hh-helpful-base", [], 0, max_pairs={"student_train": 16})
+    rm = load_pretrained("minilm-l6", 128, 0)
+    encoded = rm.encode(splits.student_train)
+    batch = collate(encoded.chosen + encoded.rejected, rm.encoder.pad_token_id)
+    optimizer = torch.optim.AdamW(rm.model.parameters(), lr=1e-5, fused=True)
+    seconds: dict[str, list[float]] = {"fp32": [], "bf16": []}
+    rows = []
+    for precision in ("fp32", "bf16"):
+        for step in range(steps + 1):
+            with Disturbance() as d:
+                started = time.perf_counter()
+                with autocast(precision, "cpu"):
+                    rewards = reward_forward(rm.model, batch).logits[:, 0].float()
+                (rewards[:16] - rewards[16:]).sigmoid().log().neg().mean().backward()
+                optimizer.step()
+                optimizer.zero_grad(set_to_none=True)
+                took = time.perf_counter() - started
+            if step:  # step 0 warms up
+                seconds[precision].append(took)
+                rows.append([precision, str(step), f"{took:.3f}", f"{d.fraction:.0%}" + (" disturbed" if d.disturbed else "")])
+    return rows, seconds
+
+
+def smoke(repeats: int) -> tuple[list[list[str]], dict]:
+    precisions = ["auto", "fp32", "bf16"]
+    seconds: dict[str, list[float]] = {p: [] for p in precisions}
+    rows = []
+    for repeat in range(repeats):
+        order = precisions[repeat % 3:] + precisions[: repeat % 3]
+        for precision in order:
+            with tempfile.TemporaryDirectory() as tmp, Disturbance() as d:
+                started = time.perf_counter()
+                done = subprocess.run(
+                    [sys.executable, str(ROOT / "pipelines" / "train.py"), "--preset", "smoke", "--precision", precision,
+                     "--tracking-uri", f"sqlite:///{tmp}/mlflow.db"],
+                    cwd=tmp, capture_output=True, text=True, env={**os.environ, "MLFLOW_TRACKING_URI": ""})
+                took = time.perf_counter() - started
+            if done.returncode != 0:
+                raise SystemExit(f"train.py --precision {precision} failed:\n{done.stderr[-2000:]}")
+            resolved = next((line.split("precision auto -> ")[1].split()[0] for line in done.stderr.splitlines()
+                             if "precision auto -> " in line), precision)
+            if not d.disturbed:
+                seconds[precision].append(took)
+            rows.append([str(repeat + 1), precision, resolved, f"{took:.1f}",
+                         f"{d.fraction:.0%}" + (" disturbed" if d.disturbed else "")])
+            print(f"smoke repeat {repeat + 1} --precision {precision} ({resolved}): {took:.1f} s, "
+                  f"others {d.fraction:.0%}", flush=True)
+    return rows, seconds
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    from anchor_rm.precision import resolve_precision
+
+    print(f"machine: {machine()}; --precision auto -> {resolve_precision('auto')}\n", flush=True)
+    record: dict = {"machine": machine(), "auto": resolve_precision("auto")}
+    if "matmul" in args.part_list:
+        rows = matmul()
+        record["matmul"] = rows
+        print(markdown_table(["dtype", "GFLOP/s (1024x1024 matmul)", "other processes"], rows) + "\n", flush=True)
+    if "step" in args.part_list:
+        rows, seconds = training_step(args.steps)
+        record["step"] = seconds
+        print(markdown_table(["precision", "step", "seconds", "other processes"], rows), flush=True)
+        fp32, bf16 = median(seconds["fp32"]), median(seconds["bf16"])
+        print(f"\nMiniLM-L6 training step, median: fp32 {fp32:.3f} s, bf16 {bf16:.3f} s; bf16 / fp32 = {bf16 / fp32:.2f}\n",
+              flush=True)
+    if "smoke" in args.part_list:
+        rows, seconds = smoke(args.repeats)
+        record["smoke"] = seconds
+        print("\n" + markdown_table(["repeat", "--precision", "ran in", "wall s", "other processes"], rows))
+        medians = {p: median(v) for p, v in seconds.items()}
+        fastest_fixed = "bf16" if record["auto"] == "bf16" else "fp32"
+        print(f"\ntrain.py --preset smoke, medians of undisturbed repeats: "
+              + ", ".join(f"{p} {m:.1f} s" for p, m in medians.items())
+              + f"; auto / {fastest_fixed} = {medians['auto'] / medians[fastest_fixed]:.2f}, "
+              f"auto / {'fp32' if fastest_fixed == 'bf16' else 'bf16'} = "
+              f"{medians['auto'] / medians['fp32' if fastest_fixed == 'bf16' else 'bf16']:.2f}")
+    if args.out:
+        Path(args.out).write_text(json.dumps(record, indent=2))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
