@@ -2,7 +2,7 @@
 
 The mechanism ANCHOR targets: weak-label training pulls the student's representations away from the
 pretrained ones, and the paper blames that drift for the OOD drop. Drift is measured like the anchor term,
-on response tokens only: per sequence, the mean squared distance (over tokens and the hidden dimension)
+on the anchored positions (response tokens and the position the reward head reads): per sequence, the mean squared distance (over tokens and the hidden dimension)
 and the mean cosine similarity between student and reference states; then the mean over sequences and
 over the layers of a layer choice. The student's states come from the same forward pass that scores it
 (scoring.HiddenStatesHook); the reference's are computed once per evaluation set (reference_cache).
@@ -23,8 +23,8 @@ from anchor_rm.workflow import RewardModel, SplitScore, evaluate_pairs
 
 @dataclass(frozen=True)
 class Drift:
-    msd: float  # mean squared distance per hidden unit, response tokens
-    cosine: float  # mean cosine similarity, response tokens
+    msd: float  # mean squared distance per hidden unit, anchored positions
+    cosine: float  # mean cosine similarity, anchored positions
     n_sequences: int
 
 
@@ -43,8 +43,8 @@ class DriftMeter:
         self.msd: dict[int, list[float]] = {layer: [] for layers in self.layer_sets.values() for layer in layers}
         self.cosine: dict[int, list[float]] = {layer: [] for layer in self.msd}
 
-    def __call__(self, batch_indices: list[int], hidden_states: tuple[torch.Tensor, ...], response_mask: torch.Tensor) -> None:
-        mask = response_mask.bool().cpu()
+    def __call__(self, batch_indices: list[int], hidden_states: tuple[torch.Tensor, ...], anchor_mask: torch.Tensor) -> None:
+        mask = anchor_mask.bool().cpu()
         for layer in self.msd:
             states = hidden_states[layer].float().cpu()
             for row, seq in enumerate(batch_indices):

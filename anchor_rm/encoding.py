@@ -7,6 +7,11 @@ the user turn, the response as the assistant turn), else prompt and response joi
 Truncation keeps the response: HH prompts are long multi-turn transcripts, and cutting on the right throws
 away exactly the text being judged. Prompt tokens are dropped from the left (the oldest turns) first; only
 a response that alone exceeds the budget is cut, at its end.
+
+The anchor mask marks the positions ANCHOR regularises: the response tokens, and the position the reward
+head reads. For a decoder that is the last token, a response token already. For an encoder it is the first
+([CLS] for BERT, <s> for RoBERTa): the sequence-classification head pools that position alone, so without
+it a last-layer anchor would not touch the representation the reward is read from.
 """
 
 from __future__ import annotations
@@ -16,13 +21,14 @@ from dataclasses import dataclass
 import torch
 
 PROMPT_RESPONSE_SEPARATOR = "\n\n"  # decoders without a chat template
+HEAD_POSITION = 0  # where an encoder's sequence-classification head reads (BERT's pooler, RoBERTa's head)
 
 
 @dataclass(frozen=True)
 class EncodedText:
     input_ids: list[int]
     token_type_ids: list[int] | None
-    response_mask: list[int]  # 1 on response tokens: the anchor term is computed there only
+    anchor_mask: list[int]  # 1 on response tokens and the head's read position: where the anchor term counts
     prompt_tokens_dropped: int
     response_tokens_dropped: int
 
@@ -118,6 +124,7 @@ class RewardEncoder:
             ids = t.prefix + prompt_ids + t.middle + response_ids + t.suffix
             n_prompt_side = len(t.prefix) + len(prompt_ids) + len(t.middle)
             mask = [0] * n_prompt_side + [1] * len(response_ids) + [0] * len(t.suffix)
+            mask[HEAD_POSITION] = 1
             types = (
                 [t.prompt_type] * n_prompt_side + [t.response_type] * (len(response_ids) + len(t.suffix))
                 if t.has_token_types
@@ -132,17 +139,17 @@ def collate(encoded: list[EncodedText], pad_token_id: int) -> dict[str, torch.Te
     n = len(encoded)
     input_ids = torch.full((n, width), pad_token_id, dtype=torch.long)
     attention_mask = torch.zeros((n, width), dtype=torch.long)
-    response_mask = torch.zeros((n, width), dtype=torch.float32)
+    anchor_mask = torch.zeros((n, width), dtype=torch.float32)
     with_types = encoded[0].token_type_ids is not None
     token_type_ids = torch.zeros((n, width), dtype=torch.long) if with_types else None
     for row, e in enumerate(encoded):
         length = len(e.input_ids)
         input_ids[row, :length] = torch.tensor(e.input_ids)
         attention_mask[row, :length] = 1
-        response_mask[row, :length] = torch.tensor(e.response_mask, dtype=torch.float32)
+        anchor_mask[row, :length] = torch.tensor(e.anchor_mask, dtype=torch.float32)
         if with_types:
             token_type_ids[row, :length] = torch.tensor(e.token_type_ids)
-    batch = {"input_ids": input_ids, "attention_mask": attention_mask, "response_mask": response_mask}
+    batch = {"input_ids": input_ids, "attention_mask": attention_mask, "anchor_mask": anchor_mask}
     if with_types:
         batch["token_type_ids"] = token_type_ids
     return batch

@@ -45,12 +45,13 @@ def confidence_alpha(step: int, total_steps: int, max_alpha: float, warmup_fract
 def anchor_loss(
     student_states: list[torch.Tensor] | tuple[torch.Tensor, ...],
     reference_states: list[torch.Tensor] | tuple[torch.Tensor, ...],
-    response_mask: torch.Tensor,
+    anchor_mask: torch.Tensor,
 ) -> torch.Tensor:
-    """MSE between student and frozen-reference hidden states on response tokens, one value per batch.
+    """MSE between student and frozen-reference hidden states on anchored positions (the response tokens and
+    the position the reward head reads, see encoding.py), one value per batch.
 
-    Each state is [batch, tokens, hidden] at one anchored layer; response_mask is [batch, tokens] with 1 on
-    response tokens. Prompt and padding positions are multiplied by 0 before anything is summed, so they
+    Each state is [batch, tokens, hidden] at one anchored layer; anchor_mask is [batch, tokens] with 1 on
+    anchored positions. Prompt and padding positions are multiplied by 0 before anything is summed, so they
     cannot change the value. Per sequence: the mean over its response tokens and the hidden dimension;
     then the mean over sequences and over layers, so a long response does not outweigh a short one.
     """
@@ -59,7 +60,7 @@ def anchor_loss(
             f"anchor_loss needs the same non-zero number of student and reference layers, "
             f"got {len(student_states)} and {len(reference_states)}"
         )
-    mask = response_mask.to(student_states[0].dtype)
+    mask = anchor_mask.to(student_states[0].dtype)
     tokens_per_sequence = mask.sum(dim=1).clamp(min=1.0)
     per_layer = []
     for student, reference in zip(student_states, reference_states):

@@ -1,8 +1,8 @@
 """The frozen reference's hidden states, computed once per dataset instead of once per step.
 
 The reference model is frozen and the training inputs are fixed, so its hidden states at the anchored
-layers are the same every epoch of every trial. ANCHOR only compares states on response tokens, so only
-those are kept: about 1/7 of full fp32 states on HH (27% of tokens are responses), in half precision when
+layers are the same every epoch of every trial. ANCHOR only compares states on anchored positions (response tokens and
+the head's read position, encoding.py), so only those are kept: about 1/7 of full fp32 states on HH (27% of tokens are responses), in half precision when
 training runs under bf16 autocast (another half). One pass over the training pairs replaces a reference
 forward pass in every training step.
 
@@ -39,7 +39,7 @@ class ReferenceStates:
     """Response-token hidden states of the frozen reference, per sequence and anchored layer.
 
     Sequences are ordered as EncodedPairs.chosen + EncodedPairs.rejected; states[layer][k] is a
-    [response tokens, hidden] tensor, fp16 for a bf16 run and fp32 otherwise.
+    [anchored positions, hidden] tensor, fp16 for a bf16 run and fp32 otherwise.
     """
 
     layers: list[int]
@@ -50,7 +50,7 @@ class ReferenceStates:
     def nbytes(self) -> int:
         return sum(t.numel() * t.element_size() for per_layer in self.states.values() for t in per_layer)
 
-    def batch(self, pair_indices: list[int], layers: list[int], response_mask: torch.Tensor,
+    def batch(self, pair_indices: list[int], layers: list[int], anchor_mask: torch.Tensor,
               dtype: torch.dtype = torch.float32) -> list[torch.Tensor]:
         """States laid out like a training batch (chosen rows, then rejected rows), zero off the response.
 
@@ -63,18 +63,18 @@ class ReferenceStates:
         out = []
         for layer in layers:
             first = self.states[layer][rows[0]]
-            full = torch.zeros((len(rows), response_mask.shape[1], first.shape[-1]), dtype=dtype)
+            full = torch.zeros((len(rows), anchor_mask.shape[1], first.shape[-1]), dtype=dtype)
             for r, seq in enumerate(rows):
-                positions = response_mask[r].nonzero(as_tuple=True)[0]
+                positions = anchor_mask[r].nonzero(as_tuple=True)[0]
                 full[r, positions] = self.states[layer][seq].to(dtype)
-            out.append(full.to(response_mask.device))
+            out.append(full.to(anchor_mask.device))
         return out
 
 
 @torch.inference_mode()
 def compute_reference_states(reference: torch.nn.Module, encoded: EncodedPairs, layers: list[int], pad_token_id: int,
                              *, batch_size: int = 32, precision: str = "auto") -> ReferenceStates:
-    """One forward pass of the frozen reference over every training sequence, keeping response tokens.
+    """One forward pass of the frozen reference over every training sequence, keeping anchored positions.
 
     Use the training run's `precision`, so that the cached states are what the uncached loop would compute;
     it also picks the storage precision (fp16 with bf16, fp32 with fp32; see the module docstring).
@@ -89,7 +89,7 @@ def compute_reference_states(reference: torch.nn.Module, encoded: EncodedPairs, 
         batch = {k: v.to(device) for k, v in batch.items()}
         with autocast(precision, device.type):
             hidden = reward_forward(reference, batch, output_hidden_states=True).hidden_states
-        mask = batch["response_mask"].bool()
+        mask = batch["anchor_mask"].bool()
         for layer in layers:
             layer_states = hidden[layer].float()
             for row, seq in enumerate(batch_indices):

@@ -52,7 +52,7 @@ def length_sorted_batches(lengths: Sequence[int], batch_size: int) -> list[list[
 
 
 def reward_forward(model, batch: dict[str, torch.Tensor], output_hidden_states: bool = False):
-    inputs = {k: v for k, v in batch.items() if k != "response_mask"}
+    inputs = {k: v for k, v in batch.items() if k != "anchor_mask"}
     return model(**inputs, output_hidden_states=output_hidden_states)
 
 
@@ -120,7 +120,7 @@ class RewardScorer:
                     output = reward_forward(self.model, batch, output_hidden_states=hidden_states_hook is not None)
                 rewards[batch_indices] = output.logits[:, 0].float().cpu().numpy()
                 if hidden_states_hook is not None:
-                    hidden_states_hook(batch_indices, output.hidden_states, batch["response_mask"])
+                    hidden_states_hook(batch_indices, output.hidden_states, batch["anchor_mask"])
         finally:
             self.model.train(was_training)
         return rewards

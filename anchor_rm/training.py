@@ -249,12 +249,12 @@ def _train_step(model, core, reference, train, targets, indices, layers, config,
     anchor = torch.zeros((), dtype=w2s.dtype, device=device)
     if layers:
         if isinstance(reference, ReferenceStates):
-            reference_states = reference.batch(indices, layers, batch["response_mask"])
+            reference_states = reference.batch(indices, layers, batch["anchor_mask"])
         else:
             with torch.no_grad(), autocast(config.precision, _device_type(core)):
                 reference_out = reward_forward(reference, batch, output_hidden_states=True)
             reference_states = [reference_out.hidden_states[i].float() for i in layers]
-        anchor = anchor_loss([outputs.hidden_states[i].float() for i in layers], reference_states, batch["response_mask"])
+        anchor = anchor_loss([outputs.hidden_states[i].float() for i in layers], reference_states, batch["anchor_mask"])
     loss = w2s + config.anchor_lambda * anchor if layers else w2s
     loss.backward()
     if config.max_grad_norm:

@@ -20,11 +20,11 @@ def test_decoder_uses_the_chat_template_and_keeps_the_response(smollm2):
     e = smollm2.encoder.encode("What is 2+2?", "It is 4.")
     text = tok.decode(e.input_ids)
     assert "<|im_start|>user\nWhat is 2+2?<|im_end|>" in text and "<|im_start|>assistant\n" in text
-    assert tok.decode([i for i, m in zip(e.input_ids, e.response_mask) if m]).startswith("It is 4.")
+    assert tok.decode([i for i, m in zip(e.input_ids, e.anchor_mask) if m]).startswith("It is 4.")
 
     long = smollm2.encoder.encode("Tell me a story. " * 100, "Once upon a time.")
     assert len(long.input_ids) == 96 and long.prompt_tokens_dropped > 0 and long.response_tokens_dropped == 0
-    assert tok.decode([i for i, m in zip(long.input_ids, long.response_mask) if m]).startswith("Once upon a time.")
+    assert tok.decode([i for i, m in zip(long.input_ids, long.anchor_mask) if m]).startswith("Once upon a time.")
 
 
 def test_decoder_reward_is_read_at_the_last_token_and_does_not_depend_on_padding(smollm2):

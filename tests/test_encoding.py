@@ -15,9 +15,22 @@ def test_encoder_text_pair_layout(minilm_tokenizer):
     assert e.input_ids[0] == tok.cls_token_id and e.input_ids[-1] == tok.sep_token_id
     assert e.input_ids == tok("what is up", "not much")["input_ids"]  # same as the tokenizer's own pair
     assert e.token_type_ids == tok("what is up", "not much")["token_type_ids"]
-    response = [i for i, m in zip(e.input_ids, e.response_mask) if m]
-    assert tok.decode(response) == "not much"
+    anchored = [i for i, m in zip(e.input_ids, e.anchor_mask) if m]
+    # The response, and [CLS]: the position BertForSequenceClassification's head reads.
+    assert anchored[0] == tok.cls_token_id and tok.decode(anchored[1:]) == "not much"
     assert not e.truncated
+
+
+def test_a_last_layer_anchor_constrains_what_the_encoders_head_reads(minilm_tokenizer):
+    """The head pools [CLS] alone: a student whose [CLS] state drifted, all else equal, pays an anchor term."""
+    from anchor_rm.losses import anchor_loss
+
+    batch = collate([RewardEncoder(minilm_tokenizer, 64, decoder=False).encode("what is up", "not much")],
+                    minilm_tokenizer.pad_token_id)
+    reference = torch.randn(1, batch["input_ids"].shape[1], 8)
+    student = reference.clone()
+    student[0, 0] += 1.0  # only the [CLS] state moved
+    assert anchor_loss([student], [reference], batch["anchor_mask"]).item() > 0
 
 
 def test_truncation_drops_prompt_from_the_left_and_keeps_the_response(minilm_tokenizer):
@@ -28,14 +41,16 @@ def test_truncation_drops_prompt_from_the_left_and_keeps_the_response(minilm_tok
     text = minilm_tokenizer.decode(e.input_ids, skip_special_tokens=True)
     assert text.endswith("the capital of france is paris.")
     assert "word0 " not in text and "assistant :" in text  # the oldest words went, the latest stayed
-    assert minilm_tokenizer.decode([i for i, m in zip(e.input_ids, e.response_mask) if m]) == RESPONSE.lower()
+    anchored = [i for i, m in zip(e.input_ids, e.anchor_mask) if m]
+    assert anchored[0] == minilm_tokenizer.cls_token_id  # the head's read position, then the whole response
+    assert minilm_tokenizer.decode(anchored[1:]) == RESPONSE.lower()
 
 
 def test_response_longer_than_budget_is_cut_at_its_end(minilm_tokenizer):
     enc = RewardEncoder(minilm_tokenizer, 16, decoder=False)
     e = enc.encode("hi", " ".join(["long"] * 40))
     assert len(e.input_ids) == 16 and e.response_tokens_dropped > 0
-    assert sum(e.response_mask) == 16 - 3  # everything but [CLS] [SEP] [SEP]; the prompt went entirely
+    assert sum(e.anchor_mask) == 16 - 2  # the response and [CLS], not the two [SEP]; the prompt went entirely
 
 
 def test_pairs_identical_after_truncation_are_dropped_and_counted(minilm_tokenizer):
@@ -56,8 +71,8 @@ def test_collate_pads_right_and_masks(minilm_tokenizer):
     width = max(len(a.input_ids), len(b.input_ids))
     assert batch["input_ids"].shape == (2, width)
     assert batch["attention_mask"].sum(1).tolist() == [len(a.input_ids), len(b.input_ids)]
-    assert batch["response_mask"].sum(1).tolist() == [1, 5]
-    assert torch.all(batch["response_mask"] <= batch["attention_mask"])
+    assert batch["anchor_mask"].sum(1).tolist() == [2, 6]  # response tokens + [CLS]
+    assert torch.all(batch["anchor_mask"] <= batch["attention_mask"])
 
 
 def test_a_reward_does_not_depend_on_its_batch(minilm_tokenizer, tiny_bert):

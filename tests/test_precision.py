@@ -98,7 +98,7 @@ def test_bf16_scoring_keeps_the_reward_head_in_fp32(tiny_bert, minilm_tokenizer)
     encoded = encode_pairs(encoder, pairs)
     with torch.inference_mode(), torch.autocast("cpu", dtype=torch.bfloat16):  # what plain autocast gives
         batch = collate(encoded.chosen + encoded.rejected, minilm_tokenizer.pad_token_id)
-        batch.pop("response_mask")
+        batch.pop("anchor_mask")
         plain = model(**batch).logits[:, 0].float().numpy()
     assert len(np.unique(plain)) <= 2  # every reward rounded onto the same one or two bf16 values
 

@@ -93,8 +93,8 @@ def test_cached_reference_states_give_the_uncached_anchor_loss(tiny_bert, minilm
         with torch.no_grad():
             s = reward_forward(student, batch, output_hidden_states=True).hidden_states
             r = reward_forward(reference, batch, output_hidden_states=True).hidden_states
-        uncached = anchor_loss([s[1], s[2]], [r[1], r[2]], batch["response_mask"]).item()
-        cached = anchor_loss([s[1], s[2]], cache.batch(indices, [1, 2], batch["response_mask"]), batch["response_mask"]).item()
+        uncached = anchor_loss([s[1], s[2]], [r[1], r[2]], batch["anchor_mask"]).item()
+        cached = anchor_loss([s[1], s[2]], cache.batch(indices, [1, 2], batch["anchor_mask"]), batch["anchor_mask"]).item()
         assert uncached > 0
         assert cached == pytest.approx(uncached, rel=1e-6)  # fp32 states for an fp32 run: same loss
     assert all(t.dtype == torch.float32 for per_layer in cache.states.values() for t in per_layer)
