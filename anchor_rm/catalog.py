@@ -9,7 +9,7 @@ import hashlib
 import json
 import os
 import re
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
@@ -32,6 +32,11 @@ class DatasetSpec:
     hub_split: str = "test"
     hub_kwargs: Mapping[str, Any] = field(default_factory=dict)  # extra datasets.load_dataset arguments
     reader_kwargs: Mapping[str, Any] = field(default_factory=dict)
+    parts: tuple[str, ...] = ()  # a union of other catalog entries (reader and path unused), read in order
+
+
+def _union(name: str, category: str, parts: tuple[str, ...], source: str) -> DatasetSpec:
+    return DatasetSpec(name, category, None, "", None, "as its parts", source, parts=parts)
 
 
 _HH_SOURCE = "DaehanKim/EasyRLHF@45eccb72:data/{}/test.jsonl.gz (same bytes as anthropics/hh-rlhf)"
@@ -68,6 +73,10 @@ DATASETS: dict[str, DatasetSpec] = {spec.name: spec for spec in [
                 "princeton-nlp/LLMBar@900616bf:Dataset/LLMBar (Natural + 4 Adversarial subsets)"),
     _hhh("harmless"),
     _hhh("helpful"),
+    # HH's helpful subsets ship as test files of 2,348 and 2,717 usable pairs; together they give the student
+    # thousands of training pairs with disjoint prompt groups (splits.prompt_group: 3 opening turns shared).
+    _union("hh-helpful", "helpful", ("hh-helpful-base", "hh-helpful-rejection-sampled"),
+           "hh-helpful-base + hh-helpful-rejection-sampled"),
 ]}
 
 # Protocol: train on the source, evaluate ID on its held-out split and OOD on the targets.
@@ -92,6 +101,10 @@ def load_dataset_pairs(name_or_path: str | Path, *, from_hub: bool = False, prom
     (see `read_generic` for formats; the columns apply), or of a hub name "org/name" (with `split`)."""
     name = str(name_or_path)
     spec = DATASETS.get(name)
+    if spec is not None and spec.parts:
+        return [replace(pair, dataset=name)
+                for part in spec.parts
+                for pair in load_dataset_pairs(part, from_hub=from_hub, skip_invalid=skip_invalid, stats=stats)]
     if spec is not None and from_hub:
         if spec.hub_name is None:
             raise DataError(f"dataset {name!r}: no hub original is known; its shipped copy is {spec.path}")

@@ -1,8 +1,10 @@
 """Cleaning and prompt-disjoint splits, and the whole source/target protocol built from them.
 
 Splits are by prompt, never by pair: HH, PKU-SafeRLHF and PandaLM have several pairs per prompt, and a
-pair-level split would put the same prompt in training and test. Assignment hashes (seed, prompt) with
-sha256, so it is the same on every machine and Python run (Python's hash() is salted per process).
+pair-level split would put the same prompt in training and test. For multi-turn HH transcripts the unit is
+the first human turn, not the whole transcript: 289 of HH helpful-base's 2,348 pairs share their opening
+question with another pair whose later turns differ, and would otherwise straddle splits. Assignment hashes
+(seed, group) with sha256, so it is the same on every machine and Python run (Python's hash() is salted).
 """
 
 from __future__ import annotations
@@ -71,6 +73,17 @@ def clean_pairs(pairs: Sequence[PreferencePair], *, dedupe: bool = True) -> tupl
     return kept, counts
 
 
+HUMAN_TURN, ASSISTANT_TURN = "Human:", "\n\nAssistant:"
+
+
+def prompt_group(prompt: str) -> str:
+    """What a split keeps together: the first human turn of an HH-style transcript, else the whole prompt."""
+    text = prompt.strip()
+    if text.startswith(HUMAN_TURN):
+        return text.split(ASSISTANT_TURN, 1)[0].strip()
+    return text
+
+
 def _unit_hash(*parts: object) -> float:
     digest = hashlib.sha256("\x1f".join(map(str, parts)).encode("utf-8")).digest()
     return int.from_bytes(digest[:8], "big") / 2**64
@@ -86,14 +99,14 @@ def split_by_prompt(pairs: Sequence[PreferencePair], fractions: Mapping[str, flo
                     seed: int) -> dict[str, list[PreferencePair]]:
     """Prompt-disjoint split whose sizes follow `fractions` in pairs; pairs keep their input order.
 
-    Prompts are shuffled by hash(seed, prompt) and cut where the running pair count crosses each
-    fraction: exact proportions even for a few dozen prompts, where independent per-prompt draws
-    would not be.
+    Prompt groups (`prompt_group`: the first human turn of a transcript) are shuffled by hash(seed, group)
+    and cut where the running pair count crosses each fraction: exact proportions even for a few dozen
+    prompts, where independent per-prompt draws would not be.
     """
     _check_fractions(fractions)
     groups: dict[str, list[int]] = {}
     for i, pair in enumerate(pairs):
-        groups.setdefault(pair.prompt.strip(), []).append(i)
+        groups.setdefault(prompt_group(pair.prompt), []).append(i)
     order = sorted(groups, key=lambda prompt: (_unit_hash(seed, prompt), prompt))
     names, bounds, running = list(fractions), [], 0.0
     for name in names:
@@ -170,13 +183,21 @@ def build_protocol_splits(source: str, targets: Sequence[str], seed: int, *,
 
     counts: dict[str, dict] = {}
     kept, clean = _clean(source, loader(source))
+    source_groups = {prompt_group(pair.prompt) for pair in kept}
     parts = {k: capped(v, k, source) for k, v in split_by_prompt(kept, fractions, seed).items()}
     counts[source] = {**clean.to_dict(), "splits": {k: len(v) for k, v in parts.items()}}
     ood = {}
     for target in targets:
         kept, clean = _clean(target, loader(target))
+        # A target pair whose prompt group the source also has is not out of distribution: drop it.
+        shared = [pair for pair in kept if prompt_group(pair.prompt) in source_groups]
+        if shared:
+            kept = [pair for pair in kept if prompt_group(pair.prompt) not in source_groups]
+            if not kept:
+                raise DataError(f"dataset {target!r}: every prompt also occurs in the source {source!r}")
         halves = split_by_prompt(kept, {"val": ood_val_fraction, "test": 1 - ood_val_fraction}, seed)
         ood[target] = {k: capped(v, f"ood_{k}", target) for k, v in halves.items()}
-        counts[target] = {**clean.to_dict(), "splits": {k: len(v) for k, v in ood[target].items()}}
+        counts[target] = {**clean.to_dict(), "shared_with_source": len(shared),
+                          "splits": {k: len(v) for k, v in ood[target].items()}}
     return ProtocolSplits(source, parts["teacher_train"], parts["student_train"], parts["id_val"], parts["id_test"],
                           ood, counts)

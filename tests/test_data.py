@@ -21,6 +21,7 @@ from anchor_rm.data import (DataError, PreferencePair, ReadStats, read_generic, 
 RAW_COUNTS = {
     "hh-helpful-base": 2354, "hh-helpful-online": 1137, "hh-helpful-rejection-sampled": 2749, "hh-harmless-base": 2312,
     "ultrafeedback": 1200, "pku-saferlhf": 5135, "pandalm": 999, "llmbar": 419, "hhh-harmless": 58, "hhh-helpful": 59,
+    "hh-helpful": 2354 + 2749,  # the union of hh-helpful-base and hh-helpful-rejection-sampled
 }
 
 

@@ -207,3 +207,28 @@ def test_protocol_on_shipped_data(category):
     for target in protocol["targets"]:
         assert splits.ood[target]["val"] and splits.ood[target]["test"]
         assert not prompts(splits.ood[target]["val"]) & prompts(splits.ood[target]["test"])
+
+
+def test_hh_transcripts_that_share_their_first_human_turn_stay_in_one_split():
+    from anchor_rm.splits import prompt_group
+
+    opening = "\n\nHuman: How do I bake bread?\n\nAssistant:"
+    later = [opening + f" Use flour.\n\nHuman: And then {i}?\n\nAssistant:" for i in range(40)]
+    assert {prompt_group(p) for p in later + [opening]} == {"Human: How do I bake bread?"}
+    assert prompt_group("  Write a poem.  ") == "Write a poem."  # not a transcript: the whole prompt
+    others = [PreferencePair(f"\n\nHuman: question {i}?\n\nAssistant:", "a", "b", "t") for i in range(200)]
+    pairs = [PreferencePair(p, "good", "bad", "t") for p in later] + others
+    for seed in range(5):
+        parts = split_by_prompt(pairs, {"train": 0.5, "test": 0.5}, seed)
+        holding = [name for name, part in parts.items() if any("bake bread" in p.prompt for p in part)]
+        assert len(holding) == 1, (seed, holding)
+
+
+def test_target_pairs_whose_prompt_group_is_in_the_source_are_dropped_and_counted():
+    source = [PreferencePair(f"\n\nHuman: q{i}?\n\nAssistant:", "good", "bad", "src") for i in range(60)]
+    target = ([PreferencePair("\n\nHuman: q3?\n\nAssistant: hi\n\nHuman: more?\n\nAssistant:", "x", "y", "tgt")]
+              + [PreferencePair(f"other {i}", "x", "y", "tgt") for i in range(20)])
+    data = {"src": source, "tgt": target}
+    splits = build_protocol_splits("src", ["tgt"], 0, loader=data.__getitem__)
+    assert splits.counts["tgt"]["shared_with_source"] == 1
+    assert not any("q3?" in p.prompt for part in splits.ood["tgt"].values() for p in part)
