@@ -6,6 +6,7 @@ from dataclasses import asdict, dataclass, field
 
 from anchor_rm.catalog import CATEGORIES
 from anchor_rm.precision import check_precision, resolve_precision
+from anchor_rm.splits import SOURCE_FRACTIONS
 from anchor_rm.training import TrainConfig
 
 
@@ -19,12 +20,17 @@ class ProtocolConfig:
     student: str = "minilm-l6"  # short name, local folder or hub id
     teacher: str = "minilm-l6-first2"  # weaker: the first 2 of MiniLM-L6's 6 pretrained layers
     seed: int = 0  # splits, head initialisation and batch order
+    # Shares of the source's pairs (by prompt group) for teacher-train, student-train, ID val and ID test.
+    source_fractions: dict[str, float] = field(default_factory=lambda: dict(SOURCE_FRACTIONS))
     # Split caps (see splits.build_protocol_splits). Capped for time on 2 CPU cores: a test accuracy on 300
     # pairs has a standard error of about 2.9 points, which the report prints beside every figure.
     max_pairs: dict[str, int] = field(default_factory=lambda: {"ood_val": 150, "ood_test": 300})
     teacher_train: TrainConfig = field(default_factory=lambda: TrainConfig(method="gold", epochs=2, learning_rate=1e-4))
     student_train: TrainConfig = field(default_factory=TrainConfig)
     train_ceiling: bool = True  # the student on gold labels: the upper reference for PGR
+    # Points by which the ceiling must beat the teacher on ID validation before any student trains
+    # (SharedStages.check_gap); None: no check (the smoke preset, whose tiny splits measure nothing).
+    min_gap: float | None = 3.0
     eval_batch_size: int = 32
     # auto | fp32 | bf16, for every forward pass of the experiment: teacher and student training, soft labels,
     # the reference cache and evaluation. auto: bf16 only where the hardware computes it natively and faster
@@ -50,7 +56,8 @@ class ProtocolConfig:
 
     def data_dict(self) -> dict:
         """What the data preparation depends on."""
-        return {"source": self.source, "targets": self.targets, "seed": self.seed, "max_pairs": self.max_pairs}
+        return {"source": self.source, "targets": self.targets, "seed": self.seed, "max_pairs": self.max_pairs,
+                "source_fractions": self.source_fractions}
 
 
 def _smoke() -> ProtocolConfig:
@@ -62,6 +69,7 @@ def _smoke() -> ProtocolConfig:
         teacher_train=TrainConfig(method="gold", epochs=1, batch_size=8, learning_rate=1e-4, max_length=128),
         student_train=TrainConfig(epochs=1, batch_size=8, max_length=128),
         eval_batch_size=32,
+        min_gap=None,
     )
 
 

@@ -18,7 +18,7 @@ import numpy as np
 
 from anchor_rm.catalog import dataset_digest
 from anchor_rm.config import ProtocolConfig
-from anchor_rm.metrics import transfer_metrics
+from anchor_rm.metrics import signal_targets, transfer_metrics
 from anchor_rm.report import EvaluationReport, build_report, write_report
 from anchor_rm.splits import ProtocolSplits, build_protocol_splits
 from anchor_rm.tracking import StageRun, artifact_writes, cache_key, log_json, metric_name, stage_run
@@ -61,6 +61,41 @@ class SharedStages:
     def soft_labels(self) -> list[float]:
         return self.teacher.outputs["soft_labels"]
 
+    @property
+    def headline_targets(self) -> list[str]:
+        """The OOD targets the mean NTS averages, in validation and in the test report alike: those on which
+        the strong ceiling reaches chance on *validation* (metrics.signal_targets). Without a ceiling, all."""
+        targets = list(self.splits.ood)
+        if self.ceiling is None or "val" not in self.ceiling.outputs["scores"]:
+            return targets
+        ceiling_val = {name: s.accuracy for name, s in self.ceiling_scores("val").items()}
+        kept = signal_targets(ceiling_val, targets)
+        if not kept:
+            log.warning("the strong ceiling is below chance on every OOD target's validation split: no target "
+                        "carries transfer signal; the mean NTS keeps them all")
+        return kept or targets
+
+    def gap(self, split: str = "val") -> float | None:
+        """Strong ceiling minus weak teacher on the ID split, in points (None without a ceiling)."""
+        if self.ceiling is None or split not in self.ceiling.outputs["scores"]:
+            return None
+        source = self.splits.source
+        return self.ceiling_scores(split)[source].accuracy - self.teacher_scores(split)[source].accuracy
+
+    def check_gap(self, min_gap: float) -> None:
+        """Stops the experiment, before any student trains, when the strong ceiling does not beat the weak
+        teacher on ID validation by `min_gap` points: there is then no weak-to-strong setting to study."""
+        gap = self.gap("val")
+        if gap is None or gap >= min_gap:
+            return
+        source = self.splits.source
+        teacher, ceiling = self.teacher_scores("val")[source], self.ceiling_scores("val")[source]
+        raise ValueError(
+            f"no weak-to-strong gap: on {source} ID validation ({teacher.n_pairs} pairs) the strong ceiling scores "
+            f"{ceiling.accuracy:.1f} and the weak teacher {teacher.accuracy:.1f}, a gap of {gap:+.1f} points, under "
+            f"--min-gap {min_gap:g}. Make the teacher weaker (--teacher with fewer layers, fewer teacher-train "
+            f"pairs) or the ceiling stronger (more student-train pairs, --max-length, --epochs), or lower --min-gap")
+
     def tags(self) -> dict[str, str]:
         tags = {"anchor_rm.data_run": self.data.run_id, "anchor_rm.teacher_run": self.teacher.run_id}
         if self.ceiling:
@@ -80,7 +115,8 @@ def split_digests(splits: ProtocolSplits) -> dict[str, str]:
 
 
 def prepare_data(cfg: ProtocolConfig, experiment_id: str) -> tuple[ProtocolSplits, StageRun]:
-    splits = build_protocol_splits(cfg.source, cfg.targets, cfg.seed, max_pairs=cfg.max_pairs)
+    splits = build_protocol_splits(cfg.source, cfg.targets, cfg.seed, max_pairs=cfg.max_pairs,
+                                   source_fractions=tuple(cfg.source_fractions.items()))
     digests = split_digests(splits)
     for name, counts in splits.counts.items():
         log.info("data %s: %s", name, counts)
@@ -155,15 +191,17 @@ def prepare_shared(cfg: ProtocolConfig, experiment_id: str) -> SharedStages:
     ceiling = None
     if cfg.train_ceiling:
         gold = TrainConfig(**{**cfg.student_train.to_dict(), "method": "gold"})
-        ceiling = _gold_stage("ceiling", cfg.student, gold, cfg, splits, data, experiment_id, splits.student_train,
-                              eval_splits=("test",))
+        ceiling = _gold_stage("ceiling", cfg.student, gold, cfg, splits, data, experiment_id, splits.student_train)
     return SharedStages(splits, data, teacher, ceiling)
 
 
-def validation_metrics(source: str, teacher_val: dict, student_scores: dict) -> dict[str, float]:
-    """Accuracy per val set and NTS per OOD target against the teacher: the tuning objective."""
+def validation_metrics(source: str, teacher_val: dict, student_scores: dict,
+                       headline_targets: list[str] | None = None) -> dict[str, float]:
+    """Accuracy per val set and NTS per OOD target against the teacher; the tuning objective, val/mean_nts,
+    averages the headline targets (SharedStages.headline_targets; default all)."""
     tm = transfer_metrics({k: v.accuracy for k, v in teacher_val.items()},
-                          {k: v.accuracy for k, v in student_scores.items()}, source)
+                          {k: v.accuracy for k, v in student_scores.items()}, source,
+                          headline_targets=headline_targets)
     out = {f"val/acc/{metric_name(k)}": v.accuracy for k, v in student_scores.items()}
     out.update({f"val/nts/{metric_name(k)}": v for k, v in tm.nts.items()})
     out.update({"val/wrg": tm.wrg, "val/mean_nts": tm.mean_nts})
@@ -178,7 +216,8 @@ def final_report(shared: SharedStages, rm: RewardModel, model_info: dict, eval_b
     model_info = {**model_info, "precision": precision}
     rows = split_results(shared.splits, "test", student, shared.teacher_scores("test"), shared.ceiling_scores("test"))
     digests = {k: v for k, v in shared.data.outputs["digests"].items()}
-    return build_report(model_info, rows, selection_splits=selection_splits, figure_splits="test", data_digests=digests)
+    return build_report(model_info, rows, selection_splits=selection_splits, figure_splits="test", data_digests=digests,
+                        headline_targets=shared.headline_targets)
 
 
 def log_report(report: EvaluationReport, artifact_path: str = "report") -> None:
@@ -207,7 +246,7 @@ def train_student(cfg: ProtocolConfig, shared: SharedStages, train_cfg: TrainCon
 
     def on_epoch_end(epoch: int, model, optimizer_state: dict) -> dict:
         scores = evaluate_model(rm, shared.splits, "val", cfg.eval_batch_size, precision=cfg.precision)
-        metrics = validation_metrics(shared.splits.source, shared.teacher_scores("val"), scores)
+        metrics = validation_metrics(shared.splits.source, shared.teacher_scores("val"), scores, shared.headline_targets)
         mlflow.log_metrics(metrics, step=epoch)
         history.append(metrics)
         log.info("epoch %d: val mean NTS %.2f, val ID acc %.1f", epoch, metrics["val/mean_nts"],

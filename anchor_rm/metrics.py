@@ -134,7 +134,7 @@ class TransferMetrics:
     wrg: float
     aog: dict[str, float]  # OOD target -> AOG, points
     nts: dict[str, float]  # OOD target -> NTS, points
-    mean_nts: float
+    mean_nts: float  # over the headline targets
     pgr_id: float | None  # None without an ID ceiling accuracy, or when ceiling == teacher
 
 
@@ -143,12 +143,15 @@ def transfer_metrics(
     student_acc: Mapping[str, float],
     id_name: str,
     ceiling_acc: Mapping[str, float] | None = None,
+    headline_targets: Sequence[str] | None = None,
 ) -> TransferMetrics:
     """All transfer metrics from per-dataset accuracies (points), keyed by dataset name.
 
     `id_name` names the in-distribution dataset; every other key is an OOD target. Teacher and student
     must cover the same datasets: a target one of them was not evaluated on would otherwise drop out of
-    the mean NTS silently.
+    the mean NTS silently. `headline_targets` (default: every target) are the ones the mean NTS averages:
+    a target on which even the strong ceiling is below chance carries no transfer signal for this student
+    (see `signal_targets`); AOG and NTS are still given for every target.
     """
     if set(teacher_acc) != set(student_acc):
         raise ValueError(
@@ -166,6 +169,10 @@ def transfer_metrics(
     student_id = _check_points(f"student_acc[{id_name!r}]", student_acc[id_name])
     aog = {name: ood_gain(student_acc[name], teacher_acc[name]) for name in targets}
     nts = {name: net_transfer_score(aog[name], teacher_id, student_id) for name in targets}
+    headline = list(targets if headline_targets is None else headline_targets)
+    unknown = [name for name in headline if name not in nts]
+    if unknown or not headline:
+        raise ValueError(f"headline_targets must be a non-empty subset of the OOD targets {targets}, got {headline}")
 
     pgr_id = None
     if ceiling_acc is not None and ceiling_acc.get(id_name) is not None:
@@ -177,6 +184,25 @@ def transfer_metrics(
         wrg=weak_to_strong_gain(student_id, teacher_id),
         aog=aog,
         nts=nts,
-        mean_nts=mean_net_transfer_score(nts),
+        mean_nts=mean_net_transfer_score({name: nts[name] for name in headline}),
         pgr_id=pgr_id,
     )
+
+
+CHANCE = 50.0  # points: a pairwise accuracy a coin reaches
+
+
+def signal_targets(ceiling_acc: Mapping[str, float], targets: Sequence[str]) -> list[str]:
+    """The OOD targets on which the strong ceiling (the student on gold labels) is at or above chance.
+
+    Where even the ceiling ranks the worse response first more often than not, a gain over the teacher
+    measures nothing this student can transfer; such a target stays in the report, flagged, and out of the
+    headline mean NTS. Decide this on validation accuracies, never on test.
+    """
+    return [name for name in targets if ceiling_acc.get(name) is None or ceiling_acc[name] >= CHANCE]
+
+
+def difference_standard_error(a_points: float, n_a: int, b_points: float, n_b: int) -> float:
+    """Standard error of a - b for two accuracies, in points, treating them as independent (a conservative
+    bound for two models scored on the same pairs, whose errors are positively correlated)."""
+    return math.hypot(accuracy_standard_error(a_points, n_a), accuracy_standard_error(b_points, n_b))

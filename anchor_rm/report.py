@@ -28,8 +28,9 @@ from typing import Any, Literal
 
 from jsonschema import Draft202012Validator
 
-from anchor_rm.metrics import (accuracy_standard_error, mean_net_transfer_score, net_transfer_score, ood_gain,
-                              performance_gap_recovered, transfer_metrics, weak_to_strong_gain)
+from anchor_rm.metrics import (accuracy_standard_error, difference_standard_error, mean_net_transfer_score,
+                              net_transfer_score, ood_gain, performance_gap_recovered, transfer_metrics,
+                              weak_to_strong_gain)
 
 SCHEMA_VERSION = "1"
 PROTOCOL, EVALUATION = "protocol", "evaluation"
@@ -68,6 +69,8 @@ class EvaluationReport:
     data_digests: dict[str, str] = field(default_factory=dict)
     schema_version: str = SCHEMA_VERSION
     kind: str = PROTOCOL  # "protocol" (strict, training and tuning) or "evaluation" (evaluate.py)
+    # The OOD targets mean_nts averages; None: every OOD target (metrics.signal_targets decides, on val)
+    headline_targets: list[str] | None = None
 
     @property
     def id_split(self) -> SplitResult | None:
@@ -94,6 +97,7 @@ class EvaluationReport:
             "aog": dict(self.aog),
             "nts": dict(self.nts),
             "mean_nts": self.mean_nts,
+            **({"headline_targets": list(self.headline_targets)} if self.headline_targets is not None else {}),
             "pgr": self.pgr,
             "data_digests": dict(self.data_digests),
         }
@@ -203,7 +207,11 @@ def _consistency_errors(report_dict: dict[str, Any]) -> list[str]:
     if errors:
         return errors
 
-    derived = _derive_metrics(rows, report_dict.get("kind", PROTOCOL))
+    headline = report_dict.get("headline_targets")
+    ood_names = [row["dataset"] for row in rows if row["role"] == "ood"]
+    if headline is not None and (set(headline) - set(ood_names) or report_dict.get("kind", PROTOCOL) != PROTOCOL):
+        return [f"headline_targets: {headline} must name OOD datasets of a protocol report ({ood_names})"]
+    derived = _derive_metrics(rows, report_dict.get("kind", PROTOCOL), headline)
     for key in ("wrg", "mean_nts", "pgr"):
         stored, expected = report_dict[key], derived[key]
         if (stored is None) != (expected is None) or (
@@ -235,7 +243,8 @@ def validate_report_dict(report_dict: Any) -> None:
 # ---------------------------------------------------------------------------------------------------
 # Building and (de)serialising.
 
-def _derive_metrics(rows: list[dict[str, Any]], kind: str = PROTOCOL) -> dict[str, Any]:
+def _derive_metrics(rows: list[dict[str, Any]], kind: str = PROTOCOL,
+                    headline_targets: list[str] | None = None) -> dict[str, Any]:
     if kind == EVALUATION:
         return _derive_evaluation_metrics(rows)
     id_name = next(row["dataset"] for row in rows if row["role"] == "id")
@@ -245,6 +254,7 @@ def _derive_metrics(rows: list[dict[str, Any]], kind: str = PROTOCOL) -> dict[st
         student_acc={row["dataset"]: row["student_accuracy"] for row in rows},
         id_name=id_name,
         ceiling_acc=ceiling,
+        headline_targets=headline_targets,
     )
     return {"wrg": metrics.wrg, "aog": metrics.aog, "nts": metrics.nts, "mean_nts": metrics.mean_nts,
             "pgr": metrics.pgr_id}
@@ -285,6 +295,7 @@ def build_report(
     data_digests: dict[str, str] | None = None,
     created_at: str | None = None,
     kind: str = PROTOCOL,
+    headline_targets: list[str] | None = None,
 ) -> EvaluationReport:
     """Assemble a report and compute WRG, AOG, NTS, mean NTS and PGR (ID) from the rows.
 
@@ -309,7 +320,9 @@ def build_report(
     errors = _schema_errors(rows, _schema_validator("splits", kind), ("splits",))
     if errors:
         raise ValueError("invalid evaluation report: " + "; ".join(errors))
-    derived = _derive_metrics(rows, kind)
+    if headline_targets is not None and kind != PROTOCOL:
+        raise ValueError("headline_targets: only a protocol report has headline targets")
+    derived = _derive_metrics(rows, kind, headline_targets)
     report = EvaluationReport(
         created_at=created_at or datetime.now(timezone.utc).isoformat(timespec="seconds"),
         model=model,
@@ -318,6 +331,7 @@ def build_report(
         splits=[_split_result_from_dict(row) for row in rows],
         data_digests=dict(data_digests or {}),
         kind=kind,
+        headline_targets=None if headline_targets is None else list(headline_targets),
         **derived,
     )
     report.to_dict()  # validates the whole report
@@ -360,6 +374,7 @@ def report_from_dict(report_dict: dict[str, Any]) -> EvaluationReport:
         pgr=_optional_float(report_dict["pgr"]),
         data_digests=dict(report_dict["data_digests"]),
         kind=report_dict.get("kind", PROTOCOL),
+        headline_targets=report_dict.get("headline_targets"),
     )
 
 
@@ -418,15 +433,20 @@ def report_to_markdown(report: EvaluationReport) -> str:
         cells += [_accuracy_cell(row.teacher_accuracy, row.n_pairs)] if has_teacher else []
         cells.append(_accuracy_cell(row.student_accuracy, row.n_pairs))
         cells += [_accuracy_cell(row.ceiling_accuracy, row.n_pairs)] if has_ceiling else []
-        cells += [f"{report.aog[row.dataset]:+.1f}" if row.dataset in report.aog else "-"] if has_aog else []
-        cells += [f"{report.nts[row.dataset]:+.1f}" if row.dataset in report.nts else "-"] if has_nts else []
+        gain_se = (f" ±{difference_standard_error(row.student_accuracy, row.n_pairs, row.teacher_accuracy, row.n_pairs):.1f}"
+                   if row.teacher_accuracy is not None else "")
+        flag = "" if row.dataset not in _left_out(report) else " (no signal)"
+        cells += [f"{report.aog[row.dataset]:+.1f}{gain_se}" if row.dataset in report.aog else "-"] if has_aog else []
+        cells += [f"{report.nts[row.dataset]:+.1f}{gain_se}{flag}" if row.dataset in report.nts else "-"] if has_nts else []
         cells.append(f"{row.student_tie_rate:.1f}")
         lines.append("| " + " | ".join(cells) + " |")
     lines += [""] + (_protocol_summary(report) if report.kind == PROTOCOL else _evaluation_summary(report))
     lines += [
         "",
         "Accuracies are pairwise accuracy in points (chosen scored strictly above rejected; exact ties "
-        "count as wrong), ± one binomial standard error; `pairs` is the number of pairs behind each.",
+        "count as wrong), ± one binomial standard error; `pairs` is the number of pairs behind each. "
+        "A gain's ± (WRG, AOG, NTS) treats student and teacher accuracies as independent, which overstates "
+        "it for two models scored on the same pairs; NTS's ± leaves out the ID term.",
     ]
     if report.data_digests:
         lines += ["", "Data (sha256):", ""]
@@ -447,13 +467,28 @@ def _splits_line(report: EvaluationReport) -> str:
             f"comes from `{report.figure_splits}`.")
 
 
+def _left_out(report: EvaluationReport) -> list[str]:
+    """OOD targets the headline mean NTS leaves out (no transfer signal for this student)."""
+    if report.headline_targets is None:
+        return []
+    return [name for name in report.nts if name not in report.headline_targets]
+
+
 def _protocol_summary(report: EvaluationReport) -> list[str]:
-    return [
-        f"- WRG (student - teacher, ID `{report.id_split.dataset}`): {report.wrg:+.1f} points",
-        f"- Mean NTS over {len(report.nts)} OOD targets: {report.mean_nts:+.1f} points",
-        f"- PGR (ID): {_pgr_text(report)}",
-        _splits_line(report),
+    idr = report.id_split
+    wrg_se = difference_standard_error(idr.student_accuracy, idr.n_pairs, idr.teacher_accuracy, idr.n_pairs)
+    left_out = _left_out(report)
+    lines = [
+        f"- WRG (student - teacher, ID `{idr.dataset}`): {report.wrg:+.1f} ±{wrg_se:.1f} points",
+        f"- Mean NTS over {len(report.nts) - len(left_out)} OOD targets: {report.mean_nts:+.1f} points",
     ]
+    if left_out:
+        lines.append(f"- Left out of the mean NTS, no transfer signal: {', '.join(f'`{n}`' for n in left_out)} (the "
+                     "strong ceiling is below chance on its validation split; its row is still shown)")
+    if idr.ceiling_accuracy is not None:
+        gap_se = difference_standard_error(idr.ceiling_accuracy, idr.n_pairs, idr.teacher_accuracy, idr.n_pairs)
+        lines.append(f"- Ceiling - teacher (ID): {idr.ceiling_accuracy - idr.teacher_accuracy:+.1f} ±{gap_se:.1f} points")
+    return lines + [f"- PGR (ID): {_pgr_text(report)}", _splits_line(report)]
 
 
 def _evaluation_summary(report: EvaluationReport) -> list[str]:

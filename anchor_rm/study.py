@@ -128,7 +128,8 @@ def _train_and_measure(cfg: ProtocolConfig, shared: SharedStages, tc: TrainConfi
     result, encoded = train_on_pairs(rm, shared.splits.student_train, shared.soft_labels, tc, reference=reference,
                                      on_step=step_logger())
     val = evaluate_model(rm, shared.splits, "val", cfg.eval_batch_size, precision=cfg.precision)
-    mlflow.log_metrics(validation_metrics(shared.splits.source, shared.teacher_scores("val"), val))
+    mlflow.log_metrics(validation_metrics(shared.splits.source, shared.teacher_scores("val"), val,
+                                          shared.headline_targets))
     eval_refs = refs.evaluation(rm, sorted({layer for layers in layer_sets.values() for layer in layers}))
     test, drift = {}, {}
     for name, _, pairs in evaluation_sets(shared.splits, "test"):
@@ -195,6 +196,7 @@ def run_instance(study: StudyConfig, category: str, seed: int, experiment_id: st
         "teacher_scores": shared.teacher.outputs["scores"], "teacher_run_id": shared.teacher.run_id,
         "ceiling_scores": shared.ceiling.outputs["scores"] if shared.ceiling else None,
         "ceiling_run_id": shared.ceiling.run_id if shared.ceiling else None,
+        "headline_targets": shared.headline_targets,
         "students": students,
     }
 

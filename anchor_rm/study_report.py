@@ -58,7 +58,8 @@ def teacher_metrics(instance: dict) -> Metrics:
 
 def val_mean_nts(instance: dict, student: dict) -> float:
     teacher_val = scores_from_dict(instance["teacher_scores"]["val"])
-    return validation_metrics(instance["source"], teacher_val, scores_from_dict(student["val"]))["val/mean_nts"]
+    return validation_metrics(instance["source"], teacher_val, scores_from_dict(student["val"]),
+                              instance.get("headline_targets"))["val/mean_nts"]
 
 
 def tuned(instance: dict, keep: Callable[[dict], bool]) -> dict:

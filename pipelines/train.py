@@ -44,6 +44,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-length", type=int, help="tokens per (prompt, response); the prompt is cut from the left")
     p.add_argument("--seed", type=int)
     add_precision_argument(p)
+    p.add_argument("--min-gap", type=float, metavar="POINTS",
+                   help="stop before training the student unless the strong ceiling beats the weak teacher on ID "
+                        "validation by this much (default: the preset's, 3 points; smoke: no check)")
     p.add_argument("--no-ceiling", action="store_true", help="skip the strong ceiling (no PGR in the report)")
     p.add_argument("--tracking-uri", help="MLflow tracking URI (default: $MLFLOW_TRACKING_URI, else sqlite:///mlflow.db here)")
     p.add_argument("--experiment", help="MLflow experiment name (default: anchor-rm-<category>)")
@@ -67,6 +70,8 @@ def config_from_args(args):
         cfg.seed = args.seed
         cfg.teacher_train.seed = cfg.student_train.seed = args.seed
     cfg.train_ceiling = not args.no_ceiling
+    if args.min_gap is not None:
+        cfg.min_gap = args.min_gap
     t = cfg.student_train
     t.method = args.method
     for flag, field_name in [("anchor_lambda", "anchor_lambda"), ("anchor_layers", "anchor_layers"),
@@ -93,6 +98,8 @@ def main(argv=None) -> int:
         experiment_id = configure(args.tracking_uri, args.experiment or f"anchor-rm-{cfg.category}")
         shared = prepare_shared(cfg, experiment_id)
         log.info("shared stages ready after %.0f s", time.perf_counter() - started)
+        if cfg.min_gap is not None:
+            shared.check_gap(cfg.min_gap)
         run_id, report = run_student(cfg, shared, cfg.student_train)
         print(report_to_markdown(report))
         print(f"\nstudent run: {run_id}   (wall time {time.perf_counter() - started:.0f} s)")

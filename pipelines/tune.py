@@ -45,6 +45,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--teacher", help="weak teacher: short name, folder or hub id")
     p.add_argument("--seed", type=int, default=0, help="seed of the splits, the models and the search")
     add_precision_argument(p)
+    p.add_argument("--min-gap", type=float, metavar="POINTS",
+                   help="stop before the search unless the strong ceiling beats the weak teacher on ID validation by "
+                        "this much (default: the preset's, 3 points; the smoke preset does not check)")
     p.add_argument("--use-gpu", choices=["auto", "yes", "no"], default="auto", help="auto: when the Ray cluster has GPUs")
     p.add_argument("--ray-address", help="an existing Ray cluster (default: start a local one)")
     p.add_argument("--tracking-uri", help="MLflow tracking URI (default: $MLFLOW_TRACKING_URI, else sqlite:///mlflow.db here)")
@@ -69,6 +72,8 @@ def tune_config(args):
     cfg.seed = cfg.teacher_train.seed = cfg.student_train.seed = args.seed
     if args.epochs is not None:
         cfg.student_train.epochs = args.epochs
+    if args.min_gap is not None:
+        cfg.min_gap = args.min_gap
     cfg.student_train.__post_init__()
     cfg.resolve_precision(args.precision)
     return cfg
@@ -143,7 +148,10 @@ def run(args) -> int:
              cfg.source, ", ".join(cfg.targets))
     shared = prepare_shared(cfg, experiment_id)
     shared_seconds = time.perf_counter() - started
-    log.info("shared stages (data, teacher, ceiling) ready after %.0f s", shared_seconds)
+    log.info("shared stages (data, teacher, ceiling) ready after %.0f s; ceiling - teacher on ID val %s",
+             shared_seconds, "n/a" if shared.gap() is None else f"{shared.gap():+.1f} points")
+    if cfg.min_gap is not None:
+        shared.check_gap(cfg.min_gap)
 
     parent_id = parent_run(experiment_id, name, args.resume)
     with mlflow.start_run(run_id=parent_id):
@@ -161,7 +169,8 @@ def run(args) -> int:
         cpus_per_worker, threads_per_worker = worker_resources(total_cpus, args.concurrency, args.workers_per_trial)
         payload = SharedPayload(
             cfg=cfg, splits=shared.splits, soft_labels=shared.soft_labels,
-            teacher_val=shared.teacher.outputs["scores"]["val"], tracking_uri=tracking_uri,
+            teacher_val=shared.teacher.outputs["scores"]["val"], headline_targets=shared.headline_targets,
+            tracking_uri=tracking_uri,
             experiment_id=experiment_id, parent_run_id=parent_id, storage_path=str(storage / name),
             num_workers=args.workers_per_trial,
             cpus_per_worker=cpus_per_worker, threads_per_worker=threads_per_worker,

@@ -172,9 +172,11 @@ def test_markdown_lists_every_row_and_the_summary():
     assert "| dataset | role | split | pairs | teacher acc | student acc | ceiling acc | AOG | NTS |" in text
     # 60.0 ± 100*sqrt(.6*.4/470) = 2.26; 55.0 ± 2.29; 70.0 ± 2.11
     assert "| hh-helpful-base | id | test | 470 | 60.0 ±2.3 | 55.0 ±2.3 | 70.0 ±2.1 | - | - | 1.5 |" in text
-    assert "| ultrafeedback | ood | test | 500 | 50.0 ±2.2 | 58.0 ±2.2 | 66.0 ±2.1 | +8.0 | +3.0 | 0.0 |" in text
-    assert "| hh-helpful-online | ood | test | 300 | 62.0 ±2.8 | 61.0 ±2.8 | - | -1.0 | -6.0 | 4.0 |" in text
-    assert "WRG (student - teacher, ID `hh-helpful-base`): -5.0 points" in text
+    # a gain's ± is hypot of the two accuracies' standard errors: hypot(2.21, 2.24) = 3.1, hypot(2.82, 2.80) = 4.0
+    assert "| ultrafeedback | ood | test | 500 | 50.0 ±2.2 | 58.0 ±2.2 | 66.0 ±2.1 | +8.0 ±3.1 | +3.0 ±3.1 | 0.0 |" in text
+    assert "| hh-helpful-online | ood | test | 300 | 62.0 ±2.8 | 61.0 ±2.8 | - | -1.0 ±4.0 | -6.0 ±4.0 | 4.0 |" in text
+    assert "WRG (student - teacher, ID `hh-helpful-base`): -5.0 ±3.2 points" in text
+    assert "Ceiling - teacher (ID): +10.0 ±3.1 points" in text
     assert "Mean NTS over 2 OOD targets: -1.5 points" in text
     assert "PGR (ID): -0.50" in text
     assert "model selection used `val`" in text and "comes from `test`" in text
@@ -319,7 +321,7 @@ def test_evaluation_report_with_teacher_but_no_id_row_has_aog_only():
     assert report.nts == {} and report.wrg is None and report.mean_nts is None
     text = report_to_markdown(report)
     assert "| dataset | role | split | pairs | teacher acc | student acc | AOG | student ties |" in text
-    assert "| hhh-harmless | ood | all | 58 | 50.0 ±6.6 | 55.0 ±6.5 | +5.0 | 0.0 |" in text
+    assert "| hhh-harmless | ood | all | 58 | 50.0 ±6.6 | 55.0 ±6.5 | +5.0 ±9.3 | 0.0 |" in text
 
 
 def test_evaluation_report_with_teacher_and_id_row_matches_the_protocol_metrics():
@@ -414,3 +416,35 @@ def test_evaluation_report_validates_against_the_schema_file():
     assert not validator.is_valid(report_dict)
     with pytest.raises(ValueError):
         validate_report_dict(report_dict)
+
+
+def test_headline_targets_leave_a_no_signal_target_out_of_the_mean_nts(tmp_path):
+    """A target on which the ceiling is below chance stays in the report, flagged, and out of the mean."""
+    report = build_report(MODEL_INFO, split_rows(), selection_splits="val", figure_splits="test",
+                          headline_targets=["ultrafeedback"])
+    assert report.mean_nts == pytest.approx(report.nts["ultrafeedback"])
+    assert set(report.nts) == {"ultrafeedback", "hh-helpful-online"}  # still computed for every target
+    text = report_to_markdown(report)
+    assert "Mean NTS over 1 OOD targets: +3.0 points" in text
+    assert "Left out of the mean NTS, no transfer signal: `hh-helpful-online`" in text
+    assert "| -6.0 ±4.0 (no signal) |" in text
+    paths = write_report(report, tmp_path)
+    assert read_report(paths["json"]).headline_targets == ["ultrafeedback"]
+    raw = json.loads(paths["json"].read_text())
+    raw["headline_targets"] = ["pandalm"]
+    with pytest.raises(ValueError, match=r"headline_targets: \['pandalm'\] must name OOD datasets"):
+        report_from_dict(raw)
+    raw["headline_targets"] = ["ultrafeedback", "hh-helpful-online"]  # the mean no longer matches
+    with pytest.raises(ValueError, match="mean_nts: stored"):
+        report_from_dict(raw)
+    del raw["headline_targets"]
+    raw["mean_nts"] = report.mean_nts
+    with pytest.raises(ValueError, match="mean_nts: stored"):
+        report_from_dict(raw)  # absent: the mean is over every target
+
+
+def test_signal_targets_are_those_where_the_ceiling_is_at_or_above_chance():
+    from anchor_rm.metrics import signal_targets
+
+    assert signal_targets({"a": 49.9, "b": 50.0, "c": 71.0}, ["a", "b", "c"]) == ["b", "c"]
+    assert signal_targets({}, ["a"]) == ["a"]  # no ceiling measured: nothing to exclude

@@ -54,6 +54,7 @@ class SharedPayload:
     splits: ProtocolSplits
     soft_labels: list[float]
     teacher_val: dict  # dataset -> SplitScore dict, the teacher's validation accuracies (for NTS)
+    headline_targets: list  # the OOD targets val/mean_nts averages (SharedStages.headline_targets)
     tracking_uri: str
     experiment_id: str
     parent_run_id: str
@@ -223,7 +224,7 @@ def train_loop_per_worker(config: dict) -> None:
         with tempfile.TemporaryDirectory() as tmp:
             if rank == 0:
                 scores = evaluate_model(rm, payload.splits, "val", cfg.eval_batch_size, precision=cfg.precision)
-                metrics = validation_metrics(payload.splits.source, teacher_val, scores)
+                metrics = validation_metrics(payload.splits.source, teacher_val, scores, payload.headline_targets)
                 metrics["worker/peak_rss_mb"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
                 logger.add(metrics, epoch)
                 logger.deliver()  # every value up to here reaches MLflow before the checkpoint exists
