@@ -139,10 +139,11 @@ def run_one(args: argparse.Namespace, variant: str) -> dict:
 
 
 def run_in_subprocess(argv: list[str], variant: str) -> dict:
-    with tempfile.TemporaryDirectory() as tmp, Disturbance() as d:
+    with tempfile.TemporaryDirectory() as tmp:
         out = Path(tmp) / "result.json"
-        subprocess.run([sys.executable, __file__, *argv, "--one", variant, "--json-out", str(out)], check=True)
-    return {**json.loads(out.read_text()), "others": d.fraction, "disturbed": d.disturbed}
+        with Disturbance() as d:
+            subprocess.run([sys.executable, __file__, *argv, "--one", variant, "--json-out", str(out)], check=True)
+        return {**json.loads(out.read_text()), "others": d.fraction, "disturbed": d.disturbed}
 
 
 def undisturbed(mine: list[dict], naive: list[dict]) -> list[tuple[dict, dict]]:
