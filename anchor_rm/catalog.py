@@ -81,8 +81,8 @@ DATASETS: dict[str, DatasetSpec] = {spec.name: spec for spec in [
 
 # Protocol: train on the source, evaluate ID on its held-out split and OOD on the targets.
 CATEGORIES: dict[str, dict[str, Any]] = {
-    "helpful": {"source": "hh-helpful-base", "targets": ["ultrafeedback", "hh-helpful-online", "pandalm", "llmbar"]},
-    "harmless": {"source": "hh-harmless-base", "targets": ["pku-saferlhf", "hhh-harmless"]},
+    "helpful": {"source": "hh-helpful", "targets": ["ultrafeedback", "hh-helpful-online", "pandalm", "llmbar"]},
+    "harmless": {"source": "pku-saferlhf", "targets": ["hh-harmless-base", "hhh-harmless"]},
 }
 
 _HUB_NAME = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")

@@ -34,8 +34,8 @@ STUDENT_STAGE = "study-student"
 DRIFT_LAYERS = ("last", "middle")  # drift is measured at both layer choices for every method
 # The OOD targets: the helpful category adds HH helpful-rejection-sampled to the protocol's four.
 STUDY_TARGETS = {
-    "helpful": ["ultrafeedback", "hh-helpful-online", "hh-helpful-rejection-sampled", "pandalm", "llmbar"],
-    "harmless": ["pku-saferlhf", "hhh-harmless"],
+    "helpful": ["ultrafeedback", "hh-helpful-online", "pandalm", "llmbar"],
+    "harmless": ["hh-harmless-base", "hhh-harmless"],
 }
 
 
