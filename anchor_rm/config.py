@@ -28,8 +28,9 @@ class ProtocolConfig:
     student_train: TrainConfig = field(default_factory=TrainConfig)
     train_ceiling: bool = True  # the student on gold labels: the upper reference for PGR
     # Points by which the ceiling must beat the teacher on ID validation before any student trains
-    # (SharedStages.check_gap); None: no check (the smoke preset, whose tiny splits measure nothing).
-    min_gap: float | None = 3.0
+    # (SharedStages.check_gap); None: no check (the smoke preset, whose tiny splits measure nothing). Low:
+    # one accuracy on 300 validation pairs has a standard error near 3 points.
+    min_gap: float | None = 1.0
     eval_batch_size: int = 32
     # auto | fp32 | bf16, for every forward pass of the experiment: teacher and student training, soft labels,
     # the reference cache and evaluation. auto: bf16 only where the hardware computes it natively and faster
@@ -59,11 +60,12 @@ class ProtocolConfig:
                 "source_fractions": self.source_fractions}
 
 
-# The weak-to-strong protocol of the default presets, per category, as measured by bench/protocol_gap.py
-# (docs/results.md, "Protocol"): a 1-layer MiniLM teacher trained on few gold pairs, the 6-layer student on
-# 640 pairs at 128 tokens. Harmless takes PKU-SafeRLHF as its source: with HH harmless-base as the source
-# the ceiling beat the teacher by only 1-3 points; with PKU-SafeRLHF, by 10-13 on test on seeds 0-2.
-TEACHER_GOLD_PAIRS = {"helpful": 150, "harmless": 400}
+# The weak-to-strong protocol of the default presets, as measured by bench/protocol_gap.py (docs/results.md,
+# "The protocol"): a 1-layer MiniLM teacher trained on 150 gold pairs, the 6-layer student on 640 pairs at
+# 128 tokens. The teacher trains 2 epochs at learning rate 5e-4: at 1 epoch and 1e-4 it ranked pairs as well
+# but its soft labels sat within 0.001 of 0.5, and a student learns nothing from those. Harmless takes
+# PKU-SafeRLHF as its source: with HH harmless-base the ceiling beat the teacher by only 1-3 points.
+TEACHER_GOLD_PAIRS = 150
 # Validation at least 200 pairs per set, test at least 600 ID and 400 per OOD target where the data has them
 # (HHH harmless has 58 pairs in all, PandaLM 762, LLMBar 419).
 PROTOCOL_CAPS = {"student_train": 640, "id_val": 300, "id_test": 1000, "ood_val": 200, "ood_test": 400}
@@ -73,8 +75,8 @@ def _protocol(category: str) -> ProtocolConfig:
     return ProtocolConfig(
         category=category,
         teacher="minilm-l6-first1",
-        max_pairs={"teacher_train": TEACHER_GOLD_PAIRS[category], **PROTOCOL_CAPS},
-        teacher_train=TrainConfig(method="gold", epochs=1, batch_size=16, learning_rate=1e-4, max_length=128),
+        max_pairs={"teacher_train": TEACHER_GOLD_PAIRS, **PROTOCOL_CAPS},
+        teacher_train=TrainConfig(method="gold", epochs=2, batch_size=16, learning_rate=5e-4, max_length=128),
         student_train=TrainConfig(epochs=2, batch_size=16, learning_rate=1e-4, max_length=128),
         eval_batch_size=64,
     )

@@ -1,8 +1,9 @@
 """Is there a weak-to-strong gap? Candidate weak teachers against the strong ceiling, per seed (not a test).
 
-For each seed: the source's prompt-disjoint splits (as the protocol makes them), each candidate teacher
-trained on gold labels of teacher-train (capped at its pair count), and the strong ceiling (the student on
-gold labels of student-train, capped at each --student-pairs). Prints ID validation accuracy (what a
+For each seed: the source's prompt-disjoint splits as the default preset makes them (its fractions, and its
+caps on ID val and ID test), each candidate teacher trained on gold labels of teacher-train capped at its
+pair count, and the strong ceiling (the student on gold labels of student-train, capped at each
+--student-pairs); a cap is the same seeded subsample the protocol takes (splits.subsample). Prints ID validation accuracy (what a
 choice may look at) and ID test accuracy (what the report shows) for every model, and ceiling minus
 teacher on both. Choose on validation; the test column is there to show that the choice holds.
 
@@ -27,7 +28,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--category", choices=["helpful", "harmless"], default="helpful")
     parser.add_argument("--source", help="source dataset (default: the default preset's for the category)")
     parser.add_argument("--teachers", default="minilm-l6-first1:200,minilm-l6-first2:400",
-                        help="comma-separated NAME:GOLD_PAIRS[:EPOCHS] candidate teachers")
+                        help="comma-separated NAME:GOLD_PAIRS[:EPOCHS[:LEARNING_RATE]] candidate teachers")
     parser.add_argument("--student", default="minilm-l6")
     parser.add_argument("--student-pairs", default="640", help="comma-separated caps on student-train for the ceiling")
     parser.add_argument("--epochs", type=int, default=2, help="ceiling epochs")
@@ -40,8 +41,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     try:
         args.teacher_list = []
         for item in args.teachers.split(","):
-            name, pairs, *epochs = item.split(":")
-            args.teacher_list.append((name, int(pairs), int(epochs[0]) if epochs else 1))
+            name, pairs, *rest = item.split(":")
+            args.teacher_list.append((name, int(pairs), int(rest[0]) if rest else 1,
+                                      float(rest[1]) if len(rest) > 1 else args.learning_rate))
         args.student_pair_list = [int(n) for n in args.student_pairs.split(",")]
         args.seed_list = [int(s) for s in args.seeds.split(",")]
     except ValueError:
@@ -53,9 +55,11 @@ def main(argv=None) -> int:
     args = parse_args(argv)
     from anchor_rm.config import preset
     from anchor_rm.precision import resolve_precision
-    from anchor_rm.splits import build_protocol_splits
+    from anchor_rm.splits import build_protocol_splits, subsample
     from anchor_rm.training import TrainConfig
-    from anchor_rm.workflow import evaluate_pairs, load_pretrained, train_on_pairs
+    import numpy as np
+
+    from anchor_rm.workflow import evaluate_pairs, load_pretrained, soft_labels, train_on_pairs
 
     precision = resolve_precision(args.precision)
     cfg = preset("default", args.category)
@@ -63,35 +67,47 @@ def main(argv=None) -> int:
     fractions = tuple(cfg.source_fractions.items())
     rows, record = [], []
     for seed in args.seed_list:
-        splits = build_protocol_splits(source, [], seed, source_fractions=fractions)
+        caps = {k: v for k, v in cfg.max_pairs.items() if k in ("id_val", "id_test")}
+        splits = build_protocol_splits(source, [], seed, source_fractions=fractions, max_pairs=caps)
+
+        def capped(pairs, n: int, key: str):
+            return subsample(pairs, n, seed, f"{source}/{key}")
         print(f"seed {seed}: {source} splits {splits.counts[source]['splits']}", flush=True)
 
-        def train_and_score(name: str, pairs, epochs: int) -> dict:
+        def train_and_score(name: str, pairs, epochs: int, label_pairs=None, lr: float = args.learning_rate) -> dict:
             started = time.perf_counter()
             rm = load_pretrained(name, args.max_length, seed)
             train_on_pairs(rm, pairs, None, TrainConfig(method="gold", epochs=epochs, batch_size=16, seed=seed,
-                                                        learning_rate=args.learning_rate, max_length=args.max_length,
+                                                        learning_rate=lr, max_length=args.max_length,
                                                         precision=precision))
             val = evaluate_pairs(rm, splits.id_val, 64, precision=precision)
             test = evaluate_pairs(rm, splits.id_test, 64, precision=precision)
-            return {"val": val.accuracy, "test": test.accuracy, "n_val": val.n_pairs, "n_test": test.n_pairs,
-                    "seconds": time.perf_counter() - started}
+            out = {"val": val.accuracy, "test": test.accuracy, "n_val": val.n_pairs, "n_test": test.n_pairs}
+            if label_pairs is not None:  # how much a student can learn from it: the spread of its soft labels
+                q = soft_labels(rm, label_pairs, 64, precision)
+                out["q_mean_abs_dev"] = float(np.mean(np.abs(q - 0.5)))
+            return {**out, "seconds": time.perf_counter() - started}
 
         teachers = {}
-        for name, n, epochs in args.teacher_list:
-            teachers[(name, n)] = train_and_score(name, splits.teacher_train[:n], epochs)
-            print(f"  teacher {name} on {n} pairs x {epochs}: {teachers[(name, n)]}", flush=True)
+        for name, n, epochs, lr in args.teacher_list:
+            label_pairs = capped(splits.student_train, max(args.student_pair_list), "student_train")
+            label = f"{name} ({n} pairs x {epochs}, lr {lr:g})"
+            teachers[label] = train_and_score(name, capped(splits.teacher_train, n, "teacher_train"), epochs,
+                                              label_pairs, lr)
+            print(f"  teacher {label}: {teachers[label]}", flush=True)
         for n in args.student_pair_list:
-            ceiling = train_and_score(args.student, splits.student_train[:n], args.epochs)
+            ceiling = train_and_score(args.student, capped(splits.student_train, n, "student_train"), args.epochs)
             print(f"  ceiling {args.student} on {n} pairs x {args.epochs}: {ceiling}", flush=True)
-            for (name, tn), teacher in teachers.items():
-                rows.append([str(seed), f"{name} ({tn})", str(n), f"{teacher['val']:.1f}", f"{ceiling['val']:.1f}",
+            for label, teacher in teachers.items():
+                rows.append([str(seed), label, f"{teacher['q_mean_abs_dev']:.3f}", str(n),
+                             f"{teacher['val']:.1f}", f"{ceiling['val']:.1f}",
                              f"{ceiling['val'] - teacher['val']:+.1f}", f"{teacher['test']:.1f}", f"{ceiling['test']:.1f}",
                              f"{ceiling['test'] - teacher['test']:+.1f}"])
-                record.append({"seed": seed, "teacher": name, "teacher_pairs": tn, "student_pairs": n,
+                record.append({"seed": seed, "teacher": label, "student_pairs": n,
                                "teacher_scores": teacher, "ceiling_scores": ceiling})
     n_val, n_test = record[0]["ceiling_scores"]["n_val"], record[0]["ceiling_scores"]["n_test"]
-    table = markdown_table(["seed", "teacher (gold pairs)", "ceiling pairs", "teacher val", "ceiling val", "gap val",
+    table = markdown_table(["seed", "teacher (gold pairs x epochs, lr)", "teacher mean |q - 0.5|", "ceiling pairs", "teacher val",
+                            "ceiling val", "gap val",
                             "teacher test", "ceiling test", "gap test"], rows)
     note = (f"{source}, ID val n={n_val}, ID test n={n_test}; max length {args.max_length}, ceiling {args.epochs} "
             f"epochs, lr {args.learning_rate}, {precision}; {machine()}")

@@ -46,7 +46,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_precision_argument(p)
     p.add_argument("--min-gap", type=float, metavar="POINTS",
                    help="stop before training the student unless the strong ceiling beats the weak teacher on ID "
-                        "validation by this much (default: the preset's, 3 points; smoke: no check)")
+                        "validation by this much (default: the preset's, 1 point; smoke: no check)")
     p.add_argument("--no-ceiling", action="store_true", help="skip the strong ceiling (no PGR in the report)")
     p.add_argument("--tracking-uri", help="MLflow tracking URI (default: $MLFLOW_TRACKING_URI, else sqlite:///mlflow.db here)")
     p.add_argument("--experiment", help="MLflow experiment name (default: anchor-rm-<category>)")

@@ -47,7 +47,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_precision_argument(p)
     p.add_argument("--min-gap", type=float, metavar="POINTS",
                    help="stop before the search unless the strong ceiling beats the weak teacher on ID validation by "
-                        "this much (default: the preset's, 3 points; the smoke preset does not check)")
+                        "this much (default: the preset's, 1 point; the smoke preset does not check)")
     p.add_argument("--use-gpu", choices=["auto", "yes", "no"], default="auto", help="auto: when the Ray cluster has GPUs")
     p.add_argument("--ray-address", help="an existing Ray cluster (default: start a local one)")
     p.add_argument("--tracking-uri", help="MLflow tracking URI (default: $MLFLOW_TRACKING_URI, else sqlite:///mlflow.db here)")
