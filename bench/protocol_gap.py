@@ -106,7 +106,7 @@ def main(argv=None) -> int:
                 record.append({"seed": seed, "teacher": label, "student_pairs": n,
                                "teacher_scores": teacher, "ceiling_scores": ceiling})
     n_val, n_test = record[0]["ceiling_scores"]["n_val"], record[0]["ceiling_scores"]["n_test"]
-    table = markdown_table(["seed", "teacher (gold pairs x epochs, lr)", "teacher mean |q - 0.5|", "ceiling pairs", "teacher val",
+    table = markdown_table(["seed", "teacher (gold pairs x epochs, lr)", "teacher mean abs(q - 0.5)", "ceiling pairs", "teacher val",
                             "ceiling val", "gap val",
                             "teacher test", "ceiling test", "gap test"], rows)
     note = (f"{source}, ID val n={n_val}, ID test n={n_test}; max length {args.max_length}, ceiling {args.epochs} "
