@@ -154,8 +154,8 @@ def _log_scores(prefix: str, scores) -> None:
 def _gold_stage(stage: str, model_name: str, train_cfg: TrainConfig, cfg: ProtocolConfig, splits: ProtocolSplits,
                 data: StageRun, experiment_id: str, train_pairs, label_pairs=None,
                 eval_splits: tuple[str, ...] = ("val", "test")) -> StageRun:
-    """Trains `model_name` on gold labels and scores it on `eval_splits` (teacher: val for the tuning
-    objective and test for the report; ceiling: test only)."""
+    """Trains `model_name` on gold labels and scores it on `eval_splits`: validation for the tuning objective,
+    the gap gate and the headline targets, test for the report."""
     key = cache_key(STAGE_VERSION, stage, data.outputs["digests"], model_name, train_cfg.to_dict(), cfg.eval_batch_size,
                     eval_splits, cfg.precision)
 

@@ -153,7 +153,7 @@ def evaluate(args) -> int:
             paths = write_report(report, out)
             if run is not None:
                 mlflow.set_tags(ev.run_tags(model, teacher))
-                mlflow.log_params(ev.run_params(model, teacher, sets, args.id_data))
+                mlflow.log_params({**ev.run_params(model, teacher, sets, args.id_data), "precision": precision})
                 mlflow.log_metrics(ev.report_metrics(report))
                 for path in paths.values():  # only the report: --out may be a folder with other files
                     mlflow.log_artifact(str(path), "report")
