@@ -1,6 +1,6 @@
 """The main job: the whole weak-to-strong protocol on Ray, tracked in MLflow, ending in a registered model.
 
-    python pipelines/tune.py                       # helpful, embedded default (13 min on 2 native-bf16 cores; README)
+    python pipelines/tune.py                       # helpful, embedded default (15 min on 2 native-bf16 cores; README)
     python pipelines/tune.py --category harmless   # the harmless protocol
     python pipelines/tune.py --preset smoke        # a few minutes; what the tests use
     python pipelines/tune.py --resume              # continue the latest interrupted experiment
@@ -35,7 +35,7 @@ REGISTERED_TAG = "anchor_rm.registered_version"
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--preset", choices=["default", "smoke"], default="default",
-                   help="default: the embedded default (13 min on 2 cores with native bf16, about 38 estimated "
+                   help="default: the embedded default (15 min on 2 cores with native bf16, about 42 estimated "
                         "on AVX2-only ones: README, Precision and speed); smoke: tiny, a few minutes")
     p.add_argument("--category", choices=["helpful", "harmless"], default="helpful")
     p.add_argument("--num-samples", type=int, help="ANCHOR configurations Optuna tries (default: preset's)")
