@@ -7,6 +7,7 @@ student; Ray Tune (tuning/) runs many against the same shared stages.
 
 from __future__ import annotations
 
+import functools
 import logging
 import tempfile
 from dataclasses import dataclass
@@ -61,7 +62,7 @@ class SharedStages:
     def soft_labels(self) -> list[float]:
         return self.teacher.outputs["soft_labels"]
 
-    @property
+    @functools.cached_property
     def headline_targets(self) -> list[str]:
         """The OOD targets the mean NTS averages, in validation and in the test report alike: those on which
         the strong ceiling reaches chance on *validation* (metrics.signal_targets). Without a ceiling, all."""
