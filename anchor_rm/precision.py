@@ -14,6 +14,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import logging
+import os
 import time
 import warnings
 from pathlib import Path
@@ -80,7 +81,9 @@ def describe_hardware(device_type: str = "cpu") -> str:
         return torch.cuda.get_device_name(0)
     flags = cpu_bf16_flags()
     native = "native bf16 (" + ", ".join(flags) + ")" if flags else ("no native bf16" if flags is not None else "bf16 support unknown")
-    return f"{cpu_model()}, {native}"
+    # Dispatch limited by the environment (how a CPU without native bf16 is imitated on one with it).
+    limited = [f"{name}={os.environ[name]}" for name in ("ATEN_CPU_CAPABILITY", "ONEDNN_MAX_CPU_ISA") if os.environ.get(name)]
+    return f"{cpu_model()}, {native}" + (f", dispatch limited by {' '.join(limited)}" if limited else "")
 
 
 def native_bf16(device_type: str = "cpu") -> bool:

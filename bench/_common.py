@@ -10,6 +10,7 @@ import statistics
 import sys
 import time
 from pathlib import Path
+from typing import Sequence
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
@@ -76,6 +77,27 @@ def _own_seconds() -> float:
     return own.ru_utime + own.ru_stime + children.ru_utime + children.ru_stime
 
 
+def _tree_seconds(root: int) -> float:
+    """CPU seconds the live process `root` and its live descendants have spent (/proc/<pid>/stat)."""
+    parents, cpu = {}, {}
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            fields = (entry / "stat").read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue  # exited meanwhile
+        parents[int(entry.name)] = int(fields[1])
+        cpu[int(entry.name)] = (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+    tree, frontier = {root}, [root]
+    while frontier:
+        pid = frontier.pop()
+        children = [child for child, parent in parents.items() if parent == pid and child not in tree]
+        tree.update(children)
+        frontier += children
+    return sum(cpu.get(pid, 0.0) for pid in tree)
+
+
 class Disturbance:
     """How much CPU other processes took while a measurement ran, as a fraction of the machine's capacity
     over that time. The rule the benchmarks state before they run: a repeat with more than
@@ -84,17 +106,25 @@ class Disturbance:
         with Disturbance() as d:
             ...
         d.fraction, d.disturbed
+
+    `others_than`: running processes (e.g. servers this benchmark started) whose trees count as its own.
     """
 
     DISTURBED = 0.10
 
+    def __init__(self, others_than: Sequence[int] = ()):
+        self._servers = list(others_than)
+
+    def _own(self) -> float:
+        return _own_seconds() + sum(_tree_seconds(pid) for pid in self._servers)
+
     def __enter__(self):
-        self._busy, self._own, self._wall = _busy_seconds(), _own_seconds(), time.perf_counter()
+        self._busy, self._own_start, self._wall = _busy_seconds(), self._own(), time.perf_counter()
         return self
 
     def __exit__(self, *exc):
         wall = time.perf_counter() - self._wall
-        others = (_busy_seconds() - self._busy) - (_own_seconds() - self._own)
+        others = (_busy_seconds() - self._busy) - (self._own() - self._own_start)
         self.fraction = max(0.0, others) / max(wall * (os.cpu_count() or 1), 1e-9)
         self.disturbed = self.fraction > self.DISTURBED
         return False

@@ -1,12 +1,16 @@
 """Throughput and latency of the reward service (not a test).
 
-Registers a reward model in a temporary MLflow store, starts a real `bentoml serve` on 127.0.0.1 with
-adaptive batching on, then off (ANCHOR_RM_BATCHING=0), and drives /score with 1, 8 and 32 concurrent
-clients for a fixed time each; then scores the same pairs one at a time in a plain transformers loop
-(tokenizer + AutoModelForSequenceClassification, no service). Prints a Markdown table for docs/benchmarks.md.
+Registers a reward model in a temporary MLflow store and starts two real `bentoml serve` processes on
+127.0.0.1, one with batching on and one with it off (ANCHOR_RM_BATCHING=0); loads the same model in a plain
+transformers loop (tokenizer + AutoModelForSequenceClassification, one pair at a time, no service) in the
+precision the service resolved `--precision` to. Every setup first scores every pair once (warm-up). Then,
+`--repeats` times, interleaved: the plain loop, and /score driven by 1, 8 and 32 concurrent clients on each
+server, each cell for a fixed time. Prints every repeat, with how much CPU other processes took meanwhile
+(the servers and the clients excepted; more than 10%: "disturbed", bench/_common.Disturbance), then the
+medians of the undisturbed repeats and each over the plain loop's median.
 
-    .venv/bin/python bench/bench_service.py                       # MiniLM-L6, max length 192, 15 s per cell
-    .venv/bin/python bench/bench_service.py --seconds 5 --model tiny --concurrency 1,8
+    .venv/bin/python bench/bench_service.py                       # MiniLM-L6, max length 192, 3 x 10 s per cell (~5 min)
+    .venv/bin/python bench/bench_service.py --seconds 5 --repeats 1 --model tiny --concurrency 1,8
 
 Pairs are (prompt, chosen) and (prompt, rejected) of the shipped HH helpful-base test split: long
 multi-turn prompts, truncated from the left to the model's max length as evaluation does. The clients run on
@@ -29,6 +33,8 @@ import time
 import urllib.request
 from pathlib import Path
 
+from _common import Disturbance, median
+
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -41,10 +47,15 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--model", default="minilm-l6", help="minilm-l6 (pretrained MiniLM-L6, fresh reward head) "
                                                             "or tiny (a 2-layer 32-wide random BERT)")
     parser.add_argument("--max-length", type=int, default=192, help="tokens per pair (the tune preset's)")
-    parser.add_argument("--seconds", type=float, default=15.0, help="measured time per cell")
+    parser.add_argument("--seconds", type=float, default=10.0, help="measured time per cell")
+    parser.add_argument("--repeats", type=int, default=3, help="rounds over every setup, interleaved")
     parser.add_argument("--concurrency", default="1,8,32", help="comma-separated client counts")
     parser.add_argument("--pairs-per-request", type=int, default=1)
     parser.add_argument("--max-batch-size", type=int, default=32, help="ANCHOR_RM_MAX_BATCH_SIZE when batching")
+    parser.add_argument("--forward-batch-size", type=int, default=8,
+                        help="ANCHOR_RM_FORWARD_BATCH_SIZE: sequences per forward pass inside a batch")
+    parser.add_argument("--precision", choices=["auto", "fp32", "bf16"], default="auto",
+                        help="ANCHOR_RM_PRECISION for the service; the plain loop runs in what it resolves to")
     parser.add_argument("--skip", default="", help="comma-separated parts to skip: batching,no-batching,loop")
     parser.add_argument("--out", help="also write the figures as JSON here")
     return parser.parse_args(argv)
@@ -154,13 +165,25 @@ def drive(url: str, pairs: list[tuple[str, str]], concurrency: int, seconds: flo
     return summarise(latencies, len(latencies) * per_request, elapsed, errors[0])
 
 
+def warm_up(url: str, pairs: list[tuple[str, str]]) -> None:
+    """WARM_UP: every pair scored once before anything is timed, in the service and in the plain loop alike.
+    oneDNN builds a kernel per input shape on first use, so a cold process runs about 15% slower over its
+    first pass of these 400 pairs (about 190 distinct lengths) than later."""
+    import httpx
+
+    with httpx.Client(base_url=url, timeout=300) as http:
+        for prompt, response in pairs:
+            http.post("/score", json={"items": [{"prompt": prompt, "response": response}]}).raise_for_status()
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
 
 
-def serve(workdir: Path, batching: bool, max_batch_size: int) -> tuple[subprocess.Popen, str]:
+def serve(workdir: Path, batching: bool, max_batch_size: int, precision: str,
+          forward_batch_size: int = 8) -> tuple[subprocess.Popen, str]:
     from service.config import serve_command
 
     port = free_port()
@@ -168,6 +191,7 @@ def serve(workdir: Path, batching: bool, max_batch_size: int) -> tuple[subproces
     env.update({"MLFLOW_TRACKING_URI": f"sqlite:///{workdir / 'mlflow.db'}", "BENTOML_HOME": str(workdir / "bentoml"),
                 "BENTOML_DO_NOT_TRACK": "true", "ANCHOR_RM_POLL_SECONDS": "0",
                 "ANCHOR_RM_BATCHING": "1" if batching else "0", "ANCHOR_RM_MAX_BATCH_SIZE": str(max_batch_size),
+                "ANCHOR_RM_PRECISION": precision, "ANCHOR_RM_FORWARD_BATCH_SIZE": str(forward_batch_size),
                 "ANCHOR_RM_DOWNLOAD_DIR": str(workdir / f"downloads-{int(batching)}")})
     log = open(workdir / f"serve-{'batching' if batching else 'no-batching'}.log", "w")
     proc = subprocess.Popen(serve_command(port, "127.0.0.1"), cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT,
@@ -195,27 +219,38 @@ def stop(proc: subprocess.Popen) -> None:
         os.killpg(proc.pid, signal.SIGKILL)
 
 
-def plain_loop(folder: Path, pairs: list[tuple[str, str]], seconds: float, max_length: int) -> dict:
-    """One pair at a time through transformers: the tokenizer (prompt cut from the left) and the model."""
-    import torch
-    from transformers import AutoModelForSequenceClassification, AutoTokenizer
+class PlainLoop:
+    """One pair at a time through transformers: the tokenizer (prompt cut from the left) and the model, under
+    bf16 autocast where `precision` is bf16 (what the service scores in). Loaded and warmed once."""
 
-    tokenizer = AutoTokenizer.from_pretrained(folder)
-    tokenizer.truncation_side = "left"
-    model = AutoModelForSequenceClassification.from_pretrained(folder).eval()
-    latencies, i = [], 0
-    with torch.inference_mode():
-        for prompt, response in pairs[:5]:  # warm-up
-            model(**tokenizer(prompt, response, truncation=True, max_length=max_length, return_tensors="pt"))
+    def __init__(self, folder: Path, pairs: list[tuple[str, str]], max_length: int, precision: str):
+        from transformers import AutoModelForSequenceClassification, AutoTokenizer
+
+        self.tokenizer = AutoTokenizer.from_pretrained(folder)
+        self.tokenizer.truncation_side = "left"
+        self.model = AutoModelForSequenceClassification.from_pretrained(folder).eval()
+        self.pairs, self.max_length, self.precision = pairs, max_length, precision
+        for prompt, response in pairs:  # warm-up: every pair once, as the service gets (see warm_up)
+            self._score(prompt, response)
+
+    def _score(self, prompt: str, response: str) -> None:
+        import torch
+
+        from anchor_rm.precision import autocast
+
+        with torch.inference_mode(), autocast(self.precision, "cpu"):
+            self.model(**self.tokenizer(prompt, response, truncation=True, max_length=self.max_length,
+                                        return_tensors="pt")).logits
+
+    def measure(self, seconds: float) -> dict:
+        latencies, i = [], 0
         begin = time.perf_counter()
         while time.perf_counter() - begin < seconds:
-            prompt, response = pairs[i % len(pairs)]
             t0 = time.perf_counter()
-            model(**tokenizer(prompt, response, truncation=True, max_length=max_length, return_tensors="pt")).logits
+            self._score(*self.pairs[i % len(self.pairs)])
             latencies.append(time.perf_counter() - t0)
             i += 1
-        elapsed = time.perf_counter() - begin
-    return summarise(latencies, len(latencies), elapsed, 0)
+        return summarise(latencies, len(latencies), time.perf_counter() - begin, 0)
 
 
 def machine() -> str:
@@ -246,38 +281,77 @@ def main(argv=None) -> int:
                f"{args.max_length}", "data": f"{len(pairs)} HH helpful-base pairs, mean {tokens:.0f} tokens after "
                f"truncation, {100 * truncated:.0f}% truncated", "pairs_per_request": args.pairs_per_request,
                "seconds_per_cell": args.seconds, "cells": []}
-    for batching in (True, False):
-        label = "batching" if batching else "no-batching"
-        if label in skip:
-            continue
-        proc, url = serve(workdir, batching, args.max_batch_size)
-        try:
-            # Warm-up: BentoML's batching dispatcher fits its latency model on the first calls.
-            drive(url, pairs, 1, 3, args.pairs_per_request)
+    from anchor_rm.precision import resolve_precision
+
+    precision = resolve_precision(args.precision)
+    servers: dict[str, tuple[subprocess.Popen, str]] = {}
+    try:
+        for batching in (True, False):
+            label = "batching" if batching else "no-batching"
+            if label not in skip:
+                servers[f"service, batching {'on' if batching else 'off'}"] = serve(
+                    workdir, batching, args.max_batch_size, args.precision, args.forward_batch_size)
+        for proc, url in servers.values():
+            warm_up(url, pairs)
             drive(url, pairs, 8, 3, args.pairs_per_request)
-            for c in concurrencies:
-                cell = drive(url, pairs, c, args.seconds, args.pairs_per_request)
-                cell.update({"setup": f"service, adaptive batching {'on' if batching else 'off'}", "concurrency": c})
+        loop = None if "loop" in skip else PlainLoop(folder, pairs, args.max_length, precision)
+        pids = [proc.pid for proc, _ in servers.values()]
+        # Repeats interleave every setup, so that a slow minute of the shared machine hits all of them alike.
+        for repeat in range(1, args.repeats + 1):
+            if loop is not None:
+                with Disturbance(others_than=pids) as d:
+                    cell = loop.measure(args.seconds)
+                cell.update({"setup": f"plain transformers loop, one pair at a time ({precision})",
+                             "concurrency": 1, "repeat": repeat, "others": d.fraction})
                 results["cells"].append(cell)
                 print(json.dumps(cell), flush=True)
-        finally:
+            for setup, (proc, url) in servers.items():
+                for c in concurrencies:
+                    with Disturbance(others_than=pids) as d:
+                        cell = drive(url, pairs, c, args.seconds, args.pairs_per_request)
+                    cell.update({"setup": setup, "concurrency": c, "repeat": repeat, "others": d.fraction})
+                    results["cells"].append(cell)
+                    print(json.dumps(cell), flush=True)
+    finally:
+        for proc, _ in servers.values():
             stop(proc)
-    if "loop" not in skip:
-        cell = plain_loop(folder, pairs, args.seconds, args.max_length)
-        cell.update({"setup": "plain transformers loop, one pair at a time", "concurrency": 1})
-        results["cells"].append(cell)
-        print(json.dumps(cell), flush=True)
     print()
     print(f"Command: `{results['command']}`  ")
     print(f"Machine: {results['machine']}  ")
     print(f"Model: {results['model']}; data: {results['data']}; {args.pairs_per_request} pair(s) per request, "
-          f"{args.seconds:g} s per cell.")
+          f"{args.seconds:g} s per cell; batches of up to {args.max_batch_size} pairs, forward passes of "
+          f"{args.forward_batch_size} sequences; precision {args.precision}.")
     print()
-    print("| setup | clients | pairs/s | p50 ms | p99 ms | requests | errors |")
-    print("|---|---:|---:|---:|---:|---:|---:|")
+    def undisturbed(setup: str, concurrency: int) -> list[dict]:
+        return [c for c in results["cells"] if c["setup"] == setup and c["concurrency"] == concurrency
+                and c["others"] <= Disturbance.DISTURBED]
+
+    loop_setup = next((c["setup"] for c in results["cells"] if c["setup"].startswith("plain")), None)
+    loop_median = median([c["pairs_per_s"] for c in undisturbed(loop_setup, 1)]) if loop_setup else None
+    print("Every repeat:\n")
+    print("| repeat | setup | clients | pairs/s | p50 ms | p99 ms | requests | errors | other processes |")
+    print("|---:|---|---:|---:|---:|---:|---:|---:|---:|")
     for c in results["cells"]:
-        print(f"| {c['setup']} | {c['concurrency']} | {c['pairs_per_s']:.1f} | {c['p50_ms']:.1f} | {c['p99_ms']:.1f} | "
-              f"{c['requests']} | {c['errors']} |")
+        print(f"| {c['repeat']} | {c['setup']} | {c['concurrency']} | {c['pairs_per_s']:.1f} | {c['p50_ms']:.1f} | "
+              f"{c['p99_ms']:.1f} | {c['requests']} | {c['errors']} | {c['others']:.0%}"
+              f"{' disturbed' if c['others'] > Disturbance.DISTURBED else ''} |")
+    print("\nMedians of the undisturbed repeats, and over the plain loop's median:\n")
+    print("| setup | clients | pairs/s | over plain loop | p50 ms | p99 ms |")
+    print("|---|---:|---:|---:|---:|---:|")
+    seen = []
+    for c in results["cells"]:
+        key = (c["setup"], c["concurrency"])
+        if key in seen:
+            continue
+        seen.append(key)
+        cells = undisturbed(*key)
+        if not cells:
+            print(f"| {key[0]} | {key[1]} | every repeat disturbed | | | |")
+            continue
+        rate = median([x["pairs_per_s"] for x in cells])
+        ratio = f"{rate / loop_median:.2f}" if loop_median else "-"
+        print(f"| {key[0]} | {key[1]} | {rate:.1f} | {ratio} | {median([x['p50_ms'] for x in cells]):.1f} | "
+              f"{median([x['p99_ms'] for x in cells]):.1f} |")
     if args.out:
         Path(args.out).write_text(json.dumps(results, indent=2))
     return 0

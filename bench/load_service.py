@@ -8,7 +8,7 @@ Registers two versions of a reward model in a temporary MLflow store (champion o
    `--move-every` seconds (each move followed by an authenticated POST /reload).
 
 Every response is counted by status code. The only acceptable non-200 answer is 503, the service's documented
-backpressure (a pair queued longer than ANCHOR_RM_MAX_LATENCY_MS, or a request caught by two model swaps);
+backpressure (a request queued for the model longer than ANCHOR_RM_MAX_LATENCY_MS);
 anything else, a transport error included, is a failure. The server's resident memory (the whole `bentoml
 serve` process tree) is sampled every 5 s. Exit status 1 when there is any failure.
 

@@ -8,29 +8,27 @@ It serves the model ANCHOR_RM_MODEL_URI names (default models:/anchor-rm-helpful
 version's report, and follows the alias when it moves. Settings: service/config.py. The logic lives in
 anchor_rm/serving.py; this file is the BentoML wiring.
 
-Public endpoints validate a request, then score its pairs through `score_batch`, a batchable method they call
-through the server itself (BentoML's self proxy), so that pairs of concurrent requests share adaptive batches.
-That route answers only calls carrying this process's internal token.
+Public endpoints validate a request, then score its pairs through one `ScoreBatcher` (anchor_rm/batching.py):
+the requests that arrive while a batch is being scored share the next batch, in this process, without a
+second HTTP hop. /metrics counts them: `anchor_rm_scored_pairs_total`, and `anchor_rm_batch_requests` (a
+histogram of requests per batch).
 """
 
 from __future__ import annotations
 
 import functools
 import logging
-import math
-import secrets
 import shutil
 from pathlib import Path
 from typing import Any
 
-import aiohttp
 import anyio.to_thread
 import bentoml
 from bentoml.exceptions import ServiceUnavailable
-from pydantic import BaseModel
 from starlette.responses import JSONResponse
 
 from anchor_rm import serving
+from anchor_rm.batching import QueueTimeout, ScoreBatcher
 from anchor_rm.serving import (BestOfNRequest, BestOfNResponse, CompareRequest, CompareResponse, GetRewardRequest,
                                GetRewardResponse, ModelInfo, ModelRef, ReloadResponse, RequestError, ScoreRequest,
                                ScoreResponse)
@@ -38,20 +36,14 @@ from service.config import load_settings
 
 logger = logging.getLogger("anchor_rm.service")
 SETTINGS = load_settings()
-BATCH_ROUTE = "/internal/score_batch"
-INTERNAL_TOKEN = secrets.token_urlsafe(32)  # per process: the guard and the self proxy live in the same worker
+SCORED_PAIRS = bentoml.metrics.Counter(name="anchor_rm_scored_pairs", documentation="pairs scored by the model")
+BATCH_REQUESTS = bentoml.metrics.Histogram(name="anchor_rm_batch_requests", documentation="requests per scored batch",
+                                           buckets=(1, 2, 4, 8, 16, 32, 64, 128, 256))
 
 
-class ScorePair(BaseModel):
-    prompt: str
-    response: str
-
-
-class ScoredPair(BaseModel):
-    reward: float
-    truncated: bool
-    name: str  # the model that scored it
-    version: str | None
+def _count_batch(requests: int, pairs: int) -> None:
+    BATCH_REQUESTS.observe(requests)
+    SCORED_PAIRS.inc(pairs)
 
 
 def _bad_request(exc: RequestError) -> JSONResponse:
@@ -71,12 +63,17 @@ class RewardService:
         self._root = Path(SETTINGS.download_dir) if SETTINGS.download_dir else serving.default_download_root()
         self.limits = SETTINGS.limits()
         self.holder = serving.ModelHolder(SETTINGS.model_uri, self._root,
-                                          loader=functools.partial(serving.load_served_model, precision=SETTINGS.precision))
+                                          loader=functools.partial(serving.load_served_model, batch_size=SETTINGS.forward_batch_size,
+                                                                           precision=SETTINGS.precision))
         self.holder.load()
         self.holder.start_polling(SETTINGS.poll_seconds)
+        self.batcher = ScoreBatcher(self._score_batch, max_batch_size=SETTINGS.max_batch_size,
+                                    batching=SETTINGS.batching, max_wait_seconds=SETTINGS.max_latency_ms / 1000,
+                                    on_batch=_count_batch)
 
     @bentoml.on_shutdown
     def _close(self) -> None:
+        self.batcher.close()
         self.holder.close()
         if self._own_root:
             shutil.rmtree(self._root, ignore_errors=True)
@@ -84,52 +81,18 @@ class RewardService:
     def __is_ready__(self) -> bool:
         return self.holder.loaded
 
-    @bentoml.api(route=BATCH_ROUTE, batchable=SETTINGS.batching, max_batch_size=max(2, SETTINGS.max_batch_size),
-                 max_latency_ms=SETTINGS.max_latency_ms)
-    def score_batch(self, pairs: list[ScorePair]) -> list[ScoredPair]:
-        """Internal: the batched scoring method behind every scoring endpoint (refuses outside callers)."""
-        model = self.holder.current  # one model object for the whole batch, even if a reload swaps meanwhile
-        scored = model.score([p.prompt for p in pairs], [p.response for p in pairs])
-        ref = model.ref
-        return [ScoredPair(reward=float(r), truncated=bool(t), name=ref.name, version=ref.version)
-                for r, t in zip(scored.rewards, scored.truncated)]
-
-    def _internal_client(self):
-        client = self.to_async  # set by BentoML when serving: the service's client to itself
-        # Its sessions are built from this dict: every internal call carries the token.
-        client.default_headers[serving.INTERNAL_HEADER] = INTERNAL_TOKEN
-        manager = getattr(client, "_session_manager", None)
-        if manager is not None:
-            # BentoML >= 1.4.30 replaces the client session every 100 calls or 5 minutes and closes the old one
-            # under the calls still in flight on it (bentoml/BentoML#5540): under concurrency those fail. Keep one.
-            manager.max_requests = manager.max_age = math.inf
-        return client
-
-    @staticmethod
-    async def _call_batch(client, pairs: list[ScorePair]) -> list:
-        """The internal call, retried on a dropped in-process connection (scoring is idempotent)."""
-        for attempt in range(3):
-            try:
-                return await client.score_batch(pairs)
-            except aiohttp.ClientConnectionError:
-                if attempt == 2:
-                    raise
-                logger.warning("internal scoring call lost its connection; retrying")
-        raise AssertionError("unreachable")
+    def _score_batch(self, prompts: list[str], responses: list[str]) -> tuple[Any, Any, ModelRef]:
+        """One batch, in the batcher's worker thread: one model object for all of it, even if a reload swaps
+        the served model meanwhile."""
+        model = self.holder.current
+        scored = model.score(prompts, responses)
+        return scored.rewards, scored.truncated, model.ref
 
     async def _score(self, prompts: list[str], responses: list[str]) -> tuple[list[float], list[bool], ModelRef]:
-        """Score through the batching path; every reward of one response comes from one model version (a
-        request split across batches while the alias moved is scored again)."""
-        client = self._internal_client()
-        pairs = [ScorePair(prompt=p, response=r) for p, r in zip(prompts, responses)]
-        for _ in range(3):
-            out = [o if isinstance(o, ScoredPair) else ScoredPair.model_validate(o)
-                   for o in await self._call_batch(client, pairs)]
-            versions = {(o.name, o.version) for o in out}
-            if len(versions) == 1:
-                name, version = versions.pop()
-                return [o.reward for o in out], [o.truncated for o in out], ModelRef(name=name, version=version)
-        raise ServiceUnavailable("the model changed while scoring this request; retry")
+        try:
+            return await self.batcher.score(prompts, responses)
+        except QueueTimeout as exc:
+            raise ServiceUnavailable(str(exc)) from None
 
     @bentoml.api(route="/score")
     async def score(self, request: ScoreRequest, /) -> ScoreResponse:
@@ -202,6 +165,5 @@ class RewardService:
 
 
 RewardService.add_asgi_middleware(
-    serving.ApiGuard, api_key=SETTINGS.api_key, internal_token=INTERNAL_TOKEN, internal_paths=(BATCH_ROUTE,),
-    max_body_bytes=SETTINGS.max_body_bytes,
+    serving.ApiGuard, api_key=SETTINGS.api_key, max_body_bytes=SETTINGS.max_body_bytes,
 )

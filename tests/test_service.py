@@ -177,7 +177,7 @@ def _call(guard, method: str, path: str, **kwargs) -> httpx.Response:
 
 
 def test_guard_requires_the_key_except_for_health_checks():
-    guard = serving.ApiGuard(_echo, api_key="k3y", internal_token="tok", internal_paths=("/internal/x",))
+    guard = serving.ApiGuard(_echo, api_key="k3y")
     assert _call(guard, "POST", "/score", json={}).status_code == 401
     assert _call(guard, "GET", "/metrics").status_code == 401
     wrong = _call(guard, "POST", "/score", json={}, headers={"Authorization": "Bearer nope"})
@@ -188,14 +188,10 @@ def test_guard_requires_the_key_except_for_health_checks():
     assert _call(guard, "POST", "/score", json={}, headers={"X-API-Key": "k3y"}).status_code == 200
     for path in serving.HEALTH_PATHS:
         assert _call(guard, "GET", path).status_code == 200
-    # the internal route: only with this process's token, whatever the API key
-    assert _call(guard, "POST", "/internal/x", json={}, headers={"X-API-Key": "k3y"}).status_code == 404
-    assert _call(guard, "POST", "/internal/x", json={}, headers={serving.INTERNAL_HEADER: "tok"}).status_code == 200
-    assert _call(guard, "POST", "/internal/x", json={}, headers={serving.INTERNAL_HEADER: "tak"}).status_code == 404
 
 
 def test_guard_without_a_key_lets_requests_through_and_limits_bodies():
-    guard = serving.ApiGuard(_echo, internal_token="tok", max_body_bytes=100)
+    guard = serving.ApiGuard(_echo, max_body_bytes=100)
     ok = _call(guard, "POST", "/score", content=b"x" * 100)
     assert ok.status_code == 200 and ok.json()["bytes"] == 100  # the body still reaches the app
     big = _call(guard, "POST", "/score", content=b"x" * 101)
@@ -361,3 +357,24 @@ def test_a_folder_uri_serves_without_registry_details(registered, tmp_path):
     assert served.version is None and served.registered_name is None
     assert served.ref.name == str(registered["1"]) and served.report is None
     assert "no evaluation report" in served.report_error
+
+
+def test_in_fresh_thread_returns_raises_and_leaves_no_thread():
+    caller = threading.get_ident()
+    ran_on = []
+
+    def work(x):
+        ran_on.append(threading.get_ident())
+        return x * 2
+
+    assert serving.in_fresh_thread(work, 21) == 42
+    assert ran_on and ran_on[0] != caller
+    assert not [t for t in threading.enumerate() if t.name == "anchor-rm-load"]
+    with pytest.raises(KeyError, match="missing"):
+        serving.in_fresh_thread(lambda: {}["missing"])
+
+
+def test_forward_batch_size_is_a_positive_setting():
+    assert load_settings({"ANCHOR_RM_FORWARD_BATCH_SIZE": "4"}).forward_batch_size == 4
+    with pytest.raises(SettingsError, match="ANCHOR_RM_FORWARD_BATCH_SIZE='0': expected a positive whole number"):
+        load_settings({"ANCHOR_RM_FORWARD_BATCH_SIZE": "0"})

@@ -171,8 +171,6 @@ def test_api_key_guards_everything_but_health_checks(server, http):
     assert httpx.get(url + "/metrics").status_code == 401
     assert httpx.post(url + "/score", json=body, headers={"X-API-Key": KEY}).status_code == 200
     assert http.get("/metrics").status_code == 200
-    # the internal batching route refuses outside callers, key or not
-    assert http.post("/internal/score_batch", json={"pairs": [{"prompt": "p", "response": "r"}]}).status_code == 404
 
 
 def test_score_equals_the_library_scorer(store, http):
@@ -290,8 +288,8 @@ def test_malformed_bodies_never_give_a_5xx(http):
 
 
 def test_reward_does_not_depend_on_the_batch(store, http):
-    """One pair alone, then inside a crowd of concurrent requests of other lengths (adaptive batching mixes
-    them); its reward may move by at most 1e-4."""
+    """One pair alone, then inside a crowd of concurrent requests of other lengths (the batcher mixes them);
+    its reward may move by at most 1e-4."""
     pair = {"prompt": PROMPTS[1], "response": RESPONSES[1]}
     alone = http.post("/score", json={"items": [pair]}).json()["rewards"][0]
     others = [{"prompt": "x " * n, "response": "y " * (n // 2 + 1)} for n in range(1, 40, 3)]
@@ -305,12 +303,12 @@ def test_reward_does_not_depend_on_the_batch(store, http):
     for idx, response in results:
         assert response.status_code == 200, response.text
         assert abs(response.json()["rewards"][idx] - alone) <= 1e-4
-    # BentoML's histogram of requests per batch: some batches must have held more than one request
+    # the service's histogram of requests per batch: some batches must have held more than one request
     single = total = 0.0
     for line in http.get("/metrics").text.splitlines():
-        if line.startswith("bentoml_service_adaptive_batch_size_bucket") and 'le="1.0"' in line:
+        if line.startswith("anchor_rm_batch_requests_bucket") and 'le="1.0"' in line:
             single += float(line.rsplit(" ", 1)[1])
-        elif line.startswith("bentoml_service_adaptive_batch_size_count"):
+        elif line.startswith("anchor_rm_batch_requests_count"):
             total += float(line.rsplit(" ", 1)[1])
     assert total > single, (single, total)
 
@@ -370,4 +368,3 @@ def test_logs_hold_no_bodies_and_no_keys(server, http):
     assert "Service anchor_rm_reward initialized" in log or "anchor_rm_reward" in log
     assert SECRET_TEXT not in log
     assert KEY not in log
-    assert "lost its connection" not in log  # the internal client kept one session (see service.py)
