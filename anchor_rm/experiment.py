@@ -56,7 +56,10 @@ class SharedStages:
         return scores_from_dict(self.teacher.outputs["scores"][split])
 
     def ceiling_scores(self, split: str):
-        return scores_from_dict(self.ceiling.outputs["scores"][split]) if self.ceiling else None
+        """The ceiling's scores on `split`; None without a ceiling or without scores on that split."""
+        if self.ceiling is None or split not in self.ceiling.outputs["scores"]:
+            return None
+        return scores_from_dict(self.ceiling.outputs["scores"][split])
 
     @property
     def soft_labels(self) -> list[float]:
@@ -67,7 +70,7 @@ class SharedStages:
         """The OOD targets the mean NTS averages, in validation and in the test report alike: those on which
         the strong ceiling reaches chance on *validation* (metrics.signal_targets). Without a ceiling, all."""
         targets = list(self.splits.ood)
-        if self.ceiling is None or "val" not in self.ceiling.outputs["scores"]:
+        if self.ceiling_scores("val") is None:
             return targets
         ceiling_val = {name: s.accuracy for name, s in self.ceiling_scores("val").items()}
         kept = signal_targets(ceiling_val, targets)
@@ -78,7 +81,7 @@ class SharedStages:
 
     def gap(self, split: str = "val") -> float | None:
         """Strong ceiling minus weak teacher on the ID split, in points (None without a ceiling)."""
-        if self.ceiling is None or split not in self.ceiling.outputs["scores"]:
+        if self.ceiling_scores(split) is None:
             return None
         source = self.splits.source
         return self.ceiling_scores(split)[source].accuracy - self.teacher_scores(split)[source].accuracy
@@ -212,13 +215,18 @@ def validation_metrics(source: str, teacher_val: dict, student_scores: dict,
 def final_report(shared: SharedStages, rm: RewardModel, model_info: dict, eval_batch_size: int, precision: str,
                  selection_splits: str = "none") -> EvaluationReport:
     """The student on every test split, beside the teacher (and ceiling), as a report; `precision` is the
-    experiment's resolved precision (the teacher's test scores were taken in it too)."""
-    student = evaluate_model(rm, shared.splits, "test", eval_batch_size, precision=precision)
+    experiment's resolved precision (the teacher's test scores were taken in it too). The same on every
+    validation split goes into the report's validation block: what promotion compares."""
     model_info = {**model_info, "precision": precision}
-    rows = split_results(shared.splits, "test", student, shared.teacher_scores("test"), shared.ceiling_scores("test"))
+    rows = {}
+    for split in ("val", "test"):
+        student = evaluate_model(rm, shared.splits, split, eval_batch_size, precision=precision)
+        rows[split] = split_results(shared.splits, split, student, shared.teacher_scores(split),
+                                    shared.ceiling_scores(split))
     digests = {k: v for k, v in shared.data.outputs["digests"].items()}
-    return build_report(model_info, rows, selection_splits=selection_splits, figure_splits="test", data_digests=digests,
-                        headline_targets=shared.headline_targets)
+    return build_report(model_info, rows["test"], selection_splits=selection_splits, figure_splits="test",
+                        data_digests=digests, headline_targets=shared.headline_targets,
+                        validation_results=rows["val"])
 
 
 def log_report(report: EvaluationReport, artifact_path: str = "report") -> None:

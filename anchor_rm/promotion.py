@@ -1,12 +1,15 @@
 """Promotion: move the registry alias `champion` to a version only when its report passes the gates.
 
 A version is judged on the evaluation report it was registered with (registry.version_report) against the
-version that holds `champion` now:
+version that holds `champion` now. The gates read the report's *validation* rows, never its test figures:
+promoting again and again on test would select on test, and the test figures would then overstate what
+the champion does on data nothing chose it by. The test figures are shown beside, for the record.
 
-    report        it carries report/report.json with figures on the test splits     (--force cannot skip)
-    test splits   its report is on the same test splits as the champion's (registry.test_splits_digest)
-    mean OOD NTS  its mean NTS is not below the champion's                (no champion yet: does not apply)
-    ID accuracy   its student ID accuracy is at most `max_id_drop` points below the weak teacher's
+    report             it carries report/report.json with figures on the test splits  (--force cannot skip)
+    validation rows    its report has validation rows (reports since 2026-12-01 do)
+    validation splits  on the same validation data as the champion's (registry.validation_splits_digest)
+    mean OOD NTS (val) its validation mean NTS is not below the champion's    (no champion yet: does not apply)
+    ID accuracy (val)  its validation ID accuracy is at most `max_id_drop` points below the weak teacher's
 
 Promotion points `previous-champion` at the old champion, then `champion` at the new version, and tags the
 version `promoted_at` / `promoted_from`. `rollback` swaps the two aliases back. Nothing is ever deleted and
@@ -143,25 +146,32 @@ def _splits_summary(report: EvaluationReport) -> str:
     return ", ".join(f"{row.dataset} ({row.role}, n={row.n_pairs})" for row in report.splits)
 
 
+def _validation_summary(report: EvaluationReport) -> str:
+    return ", ".join(f"{row.dataset} ({row.role}, n={row.n_pairs})" for row in report.validation_splits or [])
+
+
 def _champion_gates(candidate: EvaluationReport, champion: VersionEvidence) -> list[Gate]:
     label, theirs = f"champion v{champion.version}", champion.report
     if theirs is None or theirs.figure_splits != FIGURE_SPLITS:
         why = "carries no report" if theirs is None else f"has figures on {theirs.figure_splits!r} splits"
         return [Gate("champion report", False, f"{label} {why}: nothing to compare against")]
-    our_digest, their_digest = registry.test_splits_digest(candidate), registry.test_splits_digest(theirs)
+    if theirs.validation is None:
+        return [Gate("champion report", False,
+                     f"{label}'s report has no validation rows (registered before promotion compared validation "
+                     "splits): nothing to compare against on validation; promote once with --force")]
+    our_digest, their_digest = registry.validation_splits_digest(candidate), registry.validation_splits_digest(theirs)
+    ours, their = candidate.validation["mean_nts"], theirs.validation["mean_nts"]
     if our_digest != their_digest:
         return [
-            Gate("test splits", False,
-                 f"report for other test splits: candidate digest {our_digest} on {_splits_summary(candidate)}; "
-                 f"{label} digest {their_digest} on {_splits_summary(theirs)}"),
-            Gate("mean OOD NTS", False,
-                 f"{candidate.mean_nts:+.2f} vs {theirs.mean_nts:+.2f}: not comparable (different test splits)"),
+            Gate("validation splits", False,
+                 f"report for other validation splits: candidate digest {our_digest} on "
+                 f"{_validation_summary(candidate)}; {label} digest {their_digest} on {_validation_summary(theirs)}"),
+            Gate("mean OOD NTS (val)", False, f"{ours:+.2f} vs {their:+.2f}: not comparable (different validation splits)"),
         ]
-    nts_passed = candidate.mean_nts >= theirs.mean_nts - _TOLERANCE
+    nts_passed = ours >= their - _TOLERANCE
     return [
-        Gate("test splits", True, f"same test splits as {label} (digest {our_digest})"),
-        Gate("mean OOD NTS", nts_passed,
-             f"{candidate.mean_nts:+.2f} {'>=' if nts_passed else '<'} {theirs.mean_nts:+.2f} ({label})"),
+        Gate("validation splits", True, f"same validation splits as {label} (digest {our_digest})"),
+        Gate("mean OOD NTS (val)", nts_passed, f"{ours:+.2f} {'>=' if nts_passed else '<'} {their:+.2f} ({label})"),
     ]
 
 
@@ -170,15 +180,21 @@ def judge(
     champion: VersionEvidence | None,
     max_id_drop: float = DEFAULT_MAX_ID_DROP,
 ) -> tuple[Gate, ...]:
-    """The promotion gates for `candidate` against `champion` (None before the first promotion)."""
-    gates = [] if champion is None else _champion_gates(candidate, champion)
-    id_row = candidate.id_split
+    """The promotion gates for `candidate` against `champion` (None before the first promotion), on the
+    validation rows of their reports."""
+    if candidate.validation is None:
+        return (Gate("validation rows", False,
+                     "the candidate's report has no validation rows (registered before promotion compared "
+                     "validation splits); register it again from its run, or promote with --force"),)
+    gates = [Gate("validation rows", True, f"on {_validation_summary(candidate)}")]
+    gates += [] if champion is None else _champion_gates(candidate, champion)
+    id_row = candidate.validation_id_split
     floor = id_row.teacher_accuracy - max_id_drop
     id_passed = id_row.student_accuracy >= floor - _TOLERANCE
     gates.append(Gate(
-        "ID accuracy", id_passed,
+        "ID accuracy (val)", id_passed,
         f"{id_row.student_accuracy:.2f} {'>=' if id_passed else '<'} {floor:.2f} = teacher "
-        f"{id_row.teacher_accuracy:.2f} minus max ID drop {max_id_drop:g} points ({id_row.dataset})",
+        f"{id_row.teacher_accuracy:.2f} minus max ID drop {max_id_drop:g} points ({id_row.dataset}, n={id_row.n_pairs})",
     ))
     return tuple(gates)
 
@@ -441,21 +457,29 @@ def _figures(evidence: VersionEvidence | None) -> list[dict[str, str]]:
     """One version's column of the comparison table, in groups: headline, AOG per target, pairs, identity."""
     report = None if evidence is None else evidence.report
     if report is None:
-        return [{}, {}, {}, {}]
-    id_row = report.id_split
+        return [{}, {}, {}, {}, {}]
+    id_row, val = report.id_split, report.validation
+    gated = {} if val is None else {
+        "val: mean OOD NTS": f"{val['mean_nts']:+.2f}", "val: WRG": f"{val['wrg']:+.2f}",
+        "val: ID accuracy": f"{report.validation_id_split.student_accuracy:.2f}",
+        "val: teacher ID accuracy": f"{report.validation_id_split.teacher_accuracy:.2f}"}
     return [
-        {"mean OOD NTS": f"{report.mean_nts:+.2f}", "WRG": f"{report.wrg:+.2f}",
-         "ID accuracy": f"{id_row.student_accuracy:.2f}", "teacher ID accuracy": f"{id_row.teacher_accuracy:.2f}"},
-        {f"AOG {target}": f"{value:+.2f}" for target, value in report.aog.items()},
-        {f"n pairs {row.dataset} ({row.role})": str(row.n_pairs) for row in report.splits},
-        {"method": str(report.model.get("method")), "test splits digest": evidence.digest or "-"},
+        gated,
+        {"test: mean OOD NTS": f"{report.mean_nts:+.2f}", "test: WRG": f"{report.wrg:+.2f}",
+         "test: ID accuracy": f"{id_row.student_accuracy:.2f}", "test: teacher ID accuracy": f"{id_row.teacher_accuracy:.2f}"},
+        {f"test: AOG {target}": f"{value:+.2f}" for target, value in report.aog.items()},
+        {f"n pairs {row.dataset} ({row.role}, {row.split})": str(row.n_pairs)
+         for row in [*(report.validation_splits or []), *report.splits]},
+        {"method": str(report.model.get("method")),
+         "validation splits digest": registry.validation_splits_digest(report) or "-",
+         "test splits digest": evidence.digest or "-"},
     ]
 
 
 def comparison_rows(decision: Decision) -> list[tuple[str, str, str]]:
     """(figure, candidate, champion) rows of the comparison table; "-" where a side has no such figure."""
     rows = []
-    for ours, theirs in zip(_figures(decision.candidate), _figures(decision.champion)):
+    for ours, theirs in zip(_figures(decision.candidate), _figures(decision.champion), strict=True):
         rows += [(key, ours.get(key, "-"), theirs.get(key, "-")) for key in dict.fromkeys([*ours, *theirs])]
     return rows
 

@@ -74,6 +74,10 @@ def headline_tags(report: EvaluationReport) -> dict[str, str]:
         "selection_splits": report.selection_splits,
         "test_splits_digest": test_splits_digest(report),
     }
+    if report.validation is not None:  # what promotion compares
+        tags["val_mean_nts"] = f"{report.validation['mean_nts']:.2f}"
+        tags["val_id_accuracy"] = f"{report.validation_id_split.student_accuracy:.2f}"
+        tags["validation_splits_digest"] = validation_splits_digest(report)
     for target, value in report.aog.items():
         tags[f"aog.{target}"] = f"{value:.2f}"
     if report.pgr is not None:
@@ -82,6 +86,17 @@ def headline_tags(report: EvaluationReport) -> dict[str, str]:
         if key in report.model.get("hyperparameters", {}):
             tags[key] = str(report.model["hyperparameters"][key])
     return tags
+
+
+def validation_splits_digest(report: EvaluationReport) -> str | None:
+    """One digest of the validation data behind a report's validation rows (None: it has none)."""
+    import hashlib
+
+    if report.validation_splits is None:
+        return None
+    rows = sorted((r.dataset, r.role, r.split, r.n_pairs) for r in report.validation_splits)
+    digests = sorted((k, v) for k, v in report.data_digests.items() if k.endswith(("/id_val", "/val")))
+    return hashlib.sha256(json.dumps([rows, digests]).encode()).hexdigest()[:16]
 
 
 def test_splits_digest(report: EvaluationReport) -> str:

@@ -71,6 +71,20 @@ class EvaluationReport:
     kind: str = PROTOCOL  # "protocol" (strict, training and tuning) or "evaluation" (evaluate.py)
     # The OOD targets mean_nts averages; None: every OOD target (metrics.signal_targets decides, on val)
     headline_targets: list[str] | None = None
+    # The same models on the validation splits (protocol reports): what promotion compares; None in reports
+    # written before these rows existed, and in evaluation reports.
+    validation_splits: list[SplitResult] | None = None
+
+    @property
+    def validation(self) -> dict[str, Any] | None:
+        """WRG, AOG, NTS and mean NTS (over the headline targets) on the validation rows, or None."""
+        if self.validation_splits is None:
+            return None
+        return _derive_metrics([asdict(row) for row in self.validation_splits], PROTOCOL, self.headline_targets)
+
+    @property
+    def validation_id_split(self) -> SplitResult | None:
+        return next((row for row in self.validation_splits or [] if row.role == "id"), None)
 
     @property
     def id_split(self) -> SplitResult | None:
@@ -99,6 +113,9 @@ class EvaluationReport:
             "mean_nts": self.mean_nts,
             **({"headline_targets": list(self.headline_targets)} if self.headline_targets is not None else {}),
             "pgr": self.pgr,
+            **({"validation": {"splits": [asdict(row) for row in self.validation_splits],
+                               "wrg": self.validation["wrg"], "mean_nts": self.validation["mean_nts"]}}
+               if self.validation_splits is not None else {}),
             "data_digests": dict(self.data_digests),
         }
         validate_report_dict(report_dict)
@@ -211,6 +228,7 @@ def _consistency_errors(report_dict: dict[str, Any]) -> list[str]:
     ood_names = [row["dataset"] for row in rows if row["role"] == "ood"]
     if headline is not None and (set(headline) - set(ood_names) or report_dict.get("kind", PROTOCOL) != PROTOCOL):
         return [f"headline_targets: {headline} must name OOD datasets of a protocol report ({ood_names})"]
+    errors += _validation_errors(report_dict, names, headline)
     derived = _derive_metrics(rows, report_dict.get("kind", PROTOCOL), headline)
     for key in ("wrg", "mean_nts", "pgr"):
         stored, expected = report_dict[key], derived[key]
@@ -228,6 +246,32 @@ def _consistency_errors(report_dict: dict[str, Any]) -> list[str]:
         for target, value in expected.items():
             if not math.isclose(stored[target], value, abs_tol=_DERIVED_TOLERANCE):
                 errors.append(f"{key}.{target}: stored {stored[target]!r} but the splits give {value!r}")
+    return errors
+
+
+def _validation_errors(report_dict: dict[str, Any], figure_names: list[str], headline: list[str] | None) -> list[str]:
+    """The validation block: protocol reports only, "val" rows on the same datasets as the figure rows, one
+    ID row, and its wrg and mean_nts as its rows give them."""
+    block = report_dict.get("validation")
+    if block is None:
+        return []
+    if report_dict.get("kind", PROTOCOL) != PROTOCOL:
+        return ["validation: only a protocol report has validation rows"]
+    rows = block["splits"]
+    errors = [f"validation.splits[{index}].split: expected 'val', got {row['split']!r}"
+              for index, row in enumerate(rows) if row["split"] != "val"]
+    names = [row["dataset"] for row in rows]
+    if sorted(names) != sorted(figure_names):
+        errors.append(f"validation.splits: datasets {sorted(names)} differ from the figure rows' {sorted(figure_names)}")
+    elif any(row["role"] != next(r["role"] for r in report_dict["splits"] if r["dataset"] == row["dataset"])
+             for row in rows):
+        errors.append("validation.splits: a dataset's role differs from its figure row's")
+    if errors:
+        return errors
+    derived = _derive_metrics(rows, PROTOCOL, headline)
+    for key in ("wrg", "mean_nts"):
+        if not math.isclose(block[key], derived[key], abs_tol=_DERIVED_TOLERANCE):
+            errors.append(f"validation.{key}: stored {block[key]!r} but its splits give {derived[key]!r}")
     return errors
 
 
@@ -296,8 +340,12 @@ def build_report(
     created_at: str | None = None,
     kind: str = PROTOCOL,
     headline_targets: list[str] | None = None,
+    validation_results: list[SplitResult] | None = None,
 ) -> EvaluationReport:
     """Assemble a report and compute WRG, AOG, NTS, mean NTS and PGR (ID) from the rows.
+
+    `validation_results` (protocol reports): the same models on the validation splits, kept beside the
+    figures for what may select (promotion); the figures themselves stay on `figure_splits`.
 
     kind="protocol" (training, tuning): `results` holds exactly one row with role "id" and at least one
     "ood" row, all on `figure_splits`, each with a teacher accuracy. kind="evaluation" (any model on any
@@ -332,6 +380,8 @@ def build_report(
         data_digests=dict(data_digests or {}),
         kind=kind,
         headline_targets=None if headline_targets is None else list(headline_targets),
+        validation_splits=None if validation_results is None else [_split_result_from_dict(asdict(row))
+                                                                   for row in validation_results],
         **derived,
     )
     report.to_dict()  # validates the whole report
@@ -375,6 +425,8 @@ def report_from_dict(report_dict: dict[str, Any]) -> EvaluationReport:
         data_digests=dict(report_dict["data_digests"]),
         kind=report_dict.get("kind", PROTOCOL),
         headline_targets=report_dict.get("headline_targets"),
+        validation_splits=([_split_result_from_dict(row) for row in report_dict["validation"]["splits"]]
+                           if "validation" in report_dict else None),
     )
 
 
@@ -488,7 +540,13 @@ def _protocol_summary(report: EvaluationReport) -> list[str]:
     if idr.ceiling_accuracy is not None:
         gap_se = difference_standard_error(idr.ceiling_accuracy, idr.n_pairs, idr.teacher_accuracy, idr.n_pairs)
         lines.append(f"- Ceiling - teacher (ID): {idr.ceiling_accuracy - idr.teacher_accuracy:+.1f} ±{gap_se:.1f} points")
-    return lines + [f"- PGR (ID): {_pgr_text(report)}", _splits_line(report)]
+    lines += [f"- PGR (ID): {_pgr_text(report)}", _splits_line(report)]
+    if report.validation is not None:
+        val_id = report.validation_id_split
+        lines.append(f"- Validation (what promotion compares; not a figure): ID `{val_id.dataset}` student "
+                     f"{val_id.student_accuracy:.1f}, teacher {val_id.teacher_accuracy:.1f} (n={val_id.n_pairs}); "
+                     f"WRG {report.validation['wrg']:+.1f}, mean NTS {report.validation['mean_nts']:+.1f} points")
+    return lines
 
 
 def _evaluation_summary(report: EvaluationReport) -> list[str]:

@@ -9,13 +9,17 @@ the promotion gates, or roll `champion` back to the version it replaced.
     python pipelines/promote.py --tracking-uri http://127.0.0.1:5000 --name anchor-rm-harmless
 
 Every version registered by pipelines/tune.py carries its evaluation report; promotion reads it and the
-current champion's, prints them side by side (mean OOD NTS, WRG, ID accuracy, the teacher's ID accuracy,
-AOG per OOD target, pairs per split) and one PASS/FAIL line per gate:
+current champion's, prints them side by side (on validation: mean OOD NTS, WRG, ID accuracy, the teacher's
+ID accuracy; on test: the same and AOG per OOD target; pairs per split) and one PASS/FAIL line per gate.
+The gates read the validation rows only: promoting on test again and again would select on test, and the
+test figures, kept for the report, would then overstate the champion.
 
-    test splits   the candidate's report is on the same test splits as the champion's
-    mean OOD NTS  the candidate's mean OOD NTS is not below the champion's
-    ID accuracy   the candidate's ID accuracy is at most --max-id-drop points below the weak teacher's
-                  (the first promotion, with no champion yet, is judged on this gate alone)
+    validation rows     the candidate's report has validation rows (reports written since 2026-12-01)
+    validation splits   on the same validation data as the champion's
+    mean OOD NTS (val)  the candidate's validation mean OOD NTS is not below the champion's
+    ID accuracy (val)   the candidate's validation ID accuracy is at most --max-id-drop points below the
+                        weak teacher's (the first promotion, with no champion yet, is judged on this gate
+                        and the first)
 
 A promotion points `previous-champion` at the old champion and `champion` at the new version, and tags
 the version promoted_at / promoted_from. No version is ever deleted, and registry stages are not used.
@@ -47,10 +51,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--category", choices=["helpful", "harmless"], default="helpful",
                    help="picks the default --name: anchor-rm-helpful or anchor-rm-harmless")
     p.add_argument("--version", help="the version to promote (default: the version holding the alias 'challenger', "
-                                     "which pipelines/train.py sets on every new version)")
+                                     "which pipelines/tune.py and train.py set on every new version)")
     p.add_argument("--max-id-drop", type=float, default=2.0, metavar="POINTS",
-                   help="ID gate: the candidate's ID accuracy may be at most this many points below the weak "
-                        "teacher's (default 2.0)")
+                   help="ID gate: the candidate's validation ID accuracy may be at most this many points below "
+                        "the weak teacher's (default 2.0)")
     p.add_argument("--force", action="store_true",
                    help="promote even if gates fail (prints which); a report is still required")
     p.add_argument("--dry-run", action="store_true", help="print the comparison and the decision; move no alias")

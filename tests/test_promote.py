@@ -19,18 +19,23 @@ from anchor_rm.workflow import RewardModel, save_reward_model
 from helpers import PYTHON, ROOT, run_pipeline
 
 NAME = registry.default_model_name("helpful")
-DIGESTS = {"hh-helpful-base/id_test": "a" * 64, "ultrafeedback/test": "b" * 64, "pandalm/test": "c" * 64}
+DIGESTS = {"hh-helpful-base/id_test": "a" * 64, "ultrafeedback/test": "b" * 64, "pandalm/test": "c" * 64,
+           "hh-helpful-base/id_val": "e" * 64, "ultrafeedback/val": "f" * 64, "pandalm/val": "0" * 64}
 
 
 def make_report(id_acc: float = 60.0, ood: tuple[float, ...] = (55.0, 53.0), *, teacher_id: float = 60.0,
                 targets: tuple[str, ...] = ("ultrafeedback", "pandalm"), digests: dict | None = None,
-                method: str = "anchor"):
-    """A report whose OOD teachers score 50: mean NTS = mean(ood) - 50 - max(0, teacher_id - id_acc)."""
-    rows = [SplitResult("hh-helpful-base", "id", "test", 470, teacher_id, id_acc, None, 0.0)]
-    rows += [SplitResult(t, "ood", "test", n, 50.0, acc, None, 0.0) for t, acc, n in zip(targets, ood, (500, 300))]
+                method: str = "anchor", test_ood: tuple[float, ...] | None = None, validation: bool = True):
+    """A report whose OOD teachers score 50: validation mean NTS (what the gates read) =
+    mean(ood) - 50 - max(0, teacher_id - id_acc). Its test figures are the same unless `test_ood` says."""
+    def rows(split: str, accuracies, sizes):
+        out = [SplitResult("hh-helpful-base", "id", split, sizes[0], teacher_id, id_acc, None, 0.0)]
+        return out + [SplitResult(t, "ood", split, n, 50.0, acc, None, 0.0) for t, acc, n in zip(targets, accuracies, sizes[1:])]
+
     model = {"name": NAME, "student": "tiny-bert", "teacher": "tiny-teacher", "method": method, "hyperparameters": {}}
-    return build_report(model, rows, selection_splits="val", figure_splits="test",
-                        data_digests=DIGESTS if digests is None else digests)
+    return build_report(model, rows("test", test_ood or ood, (470, 500, 300)), selection_splits="val",
+                        figure_splits="test", data_digests=DIGESTS if digests is None else digests,
+                        validation_results=rows("val", ood, (300, 200, 200)) if validation else None)
 
 
 @pytest.fixture
@@ -95,13 +100,28 @@ def test_gates_are_pure_functions_of_two_reports():
     assert all(g.passed for g in promotion.judge(better, champion))
     assert all(g.passed for g in promotion.judge(make_report(ood=(55.0, 53.0)), champion))  # a tie passes
     failed = [g.name for g in promotion.judge(worse, champion) if not g.passed]
-    assert failed == ["mean OOD NTS"]
+    assert failed == ["mean OOD NTS (val)"]
     # ID gate: 57.9 is more than 2 points below the teacher's 60, 58.0 is not
-    assert [g.name for g in promotion.judge(make_report(id_acc=57.9), None) if not g.passed] == ["ID accuracy"]
+    assert [g.name for g in promotion.judge(make_report(id_acc=57.9), None) if not g.passed] == ["ID accuracy (val)"]
     assert all(g.passed for g in promotion.judge(make_report(id_acc=58.0), None, max_id_drop=2.0))
-    # no champion: the ID gate alone
-    assert [g.name for g in promotion.judge(make_report(id_acc=58.0), None)] == ["ID accuracy"]
-    assert not promotion.judge(make_report(id_acc=59.5), None, max_id_drop=0.0)[0].passed
+    # no champion: the validation rows and the ID gate
+    assert [g.name for g in promotion.judge(make_report(id_acc=58.0), None)] == ["validation rows", "ID accuracy (val)"]
+    assert not promotion.judge(make_report(id_acc=59.5), None, max_id_drop=0.0)[-1].passed
+
+
+def test_gates_read_validation_never_test():
+    champion = promotion.VersionEvidence("1", make_report(ood=(55.0, 53.0)))  # val and test mean NTS 4
+    # better on test (mean NTS 15), worse on validation (3): refused
+    test_only = make_report(ood=(54.0, 52.0), test_ood=(65.0, 65.0))
+    assert [g.name for g in promotion.judge(test_only, champion) if not g.passed] == ["mean OOD NTS (val)"]
+    # worse on test (-5), better on validation (5): passes
+    assert all(g.passed for g in promotion.judge(make_report(ood=(56.0, 54.0), test_ood=(45.0, 45.0)), champion))
+    # a report without validation rows (registered before they existed) is refused, with what to do
+    old = promotion.judge(make_report(validation=False), champion)
+    assert [g.name for g in old] == ["validation rows"] and not old[0].passed and "--force" in old[0].detail
+    # a champion without them: nothing to compare against on validation
+    gates = promotion.judge(make_report(), promotion.VersionEvidence("1", make_report(validation=False)))
+    assert [g.name for g in gates if not g.passed] == ["champion report"]
 
 
 def test_first_promotion_needs_a_report_and_the_id_gate(register):
@@ -109,7 +129,7 @@ def test_first_promotion_needs_a_report_and_the_id_gate(register):
     assert aliases() == {"challenger": v1}
     result = promote()  # default: the version holding challenger
     assert result.status == "promoted" and result.decision.via_alias == "challenger"
-    assert [g.name for g in result.decision.gates] == ["ID accuracy"]
+    assert [g.name for g in result.decision.gates] == ["validation rows", "ID accuracy (val)"]
     assert aliases() == {"challenger": v1, "champion": v1}
     assert tags(v1)["promoted_from"] == "none" and "promoted_at" in tags(v1)
     assert "no champion yet" in promotion.format_decision(result.decision)
@@ -126,7 +146,7 @@ def test_better_challenger_replaces_the_champion_and_keeps_it_reachable(register
     assert tags(v2)["promoted_from"] == v1
     assert all_versions() == [v1, v2]
     text = promotion.format_decision(result.decision)
-    assert "PASS  mean OOD NTS: +5.00 >= +4.00" in text and "PASS  test splits" in text
+    assert "PASS  mean OOD NTS (val): +5.00 >= +4.00" in text and "PASS  validation splits" in text
 
 
 def test_worse_challenger_is_refused_by_the_cli(register, store, tmp_path):
@@ -137,11 +157,12 @@ def test_worse_challenger_is_refused_by_the_cli(register, store, tmp_path):
     assert result.returncode == 1, result.stderr[-2000:]
     out = result.stdout
     assert f"candidate v{v2} (holds challenger) vs champion v{v1}" in out
-    for row in ("mean OOD NTS", "WRG", "ID accuracy", "teacher ID accuracy", "AOG ultrafeedback", "AOG pandalm",
-                "n pairs hh-helpful-base (id)", "n pairs pandalm (ood)"):
+    for row in ("val: mean OOD NTS", "val: WRG", "val: ID accuracy", "val: teacher ID accuracy", "test: mean OOD NTS",
+                "test: AOG ultrafeedback", "test: AOG pandalm", "n pairs hh-helpful-base (id, val)",
+                "n pairs pandalm (ood, test)", "validation splits digest"):
         assert row in out, row
-    assert "FAIL  mean OOD NTS: +3.50 < +4.00" in out and "PASS  ID accuracy" in out
-    assert f"outcome: refused {NAME} v{v2}: failed mean OOD NTS; nothing moved" in out
+    assert "FAIL  mean OOD NTS (val): +3.50 < +4.00" in out and "PASS  ID accuracy (val)" in out
+    assert f"outcome: refused {NAME} v{v2}: failed mean OOD NTS (val); nothing moved" in out
     assert aliases()["champion"] == v1 and "previous-champion" not in aliases()
     assert "promoted_at" not in tags(v2)
 
@@ -149,33 +170,33 @@ def test_worse_challenger_is_refused_by_the_cli(register, store, tmp_path):
 def test_id_drop_gate_is_configurable(register):
     v1 = register(make_report(id_acc=57.0, ood=(60.0, 60.0)))  # 3 points below the teacher, big OOD gain
     result = promote()
-    assert result.status == "refused" and [g.name for g in result.decision.failed_gates] == ["ID accuracy"]
+    assert result.status == "refused" and [g.name for g in result.decision.failed_gates] == ["ID accuracy (val)"]
     assert "57.00 < 58.00" in result.decision.failed_gates[0].detail
     assert "champion" not in aliases()
     assert promote(max_id_drop=3.0).status == "promoted"
     assert aliases()["champion"] == v1
 
 
-def test_report_for_other_test_splits_is_refused_unless_forced(register):
+def test_report_for_other_validation_splits_is_refused_unless_forced(register):
     v1 = register(make_report())
     promote(v1)
-    other = {**DIGESTS, "pandalm/test": "d" * 64}  # same datasets, other data behind one of them
+    other = {**DIGESTS, "pandalm/val": "d" * 64}  # same datasets, other data behind one of them
     v2 = register(make_report(ood=(70.0, 70.0), digests=other))
     result = promote()
     assert result.status == "refused"
-    assert [g.name for g in result.decision.failed_gates] == ["test splits", "mean OOD NTS"]
+    assert [g.name for g in result.decision.failed_gates] == ["validation splits", "mean OOD NTS (val)"]
     detail = result.decision.failed_gates[0].detail
-    assert "report for other test splits" in detail
-    assert registry.test_splits_digest(result.decision.candidate.report) in detail
-    assert registry.test_splits_digest(result.decision.champion.report) in detail
-    assert "ultrafeedback (ood, n=500)" in detail
+    assert "report for other validation splits" in detail
+    assert registry.validation_splits_digest(result.decision.candidate.report) in detail
+    assert registry.validation_splits_digest(result.decision.champion.report) in detail
+    assert "ultrafeedback (ood, n=200)" in detail
     v3 = register(make_report(ood=(70.0, 70.0), targets=("ultrafeedback", "llmbar")))  # another OOD target
     assert promote().status == "refused"
     assert "llmbar" in promote(dry_run=True).decision.failed_gates[0].detail
     assert aliases()["champion"] == v1
     forced = promote(v2, force=True)
     assert forced.status == "promoted" and aliases()["champion"] == v2
-    assert tags(v2)["promotion_forced"] == "test splits; mean OOD NTS"
+    assert tags(v2)["promotion_forced"] == "validation splits; mean OOD NTS (val)"
     assert all_versions() == [v1, v2, v3]
 
 
@@ -210,8 +231,8 @@ def test_force_promotes_past_failed_gates_and_says_which(register):
     assert result.status == "promoted" and result.forced
     assert aliases() == {"challenger": v2, "champion": v2, "previous-champion": v1}
     text = promotion.format_result(result)
-    assert "--force: promoting despite failed gates: mean OOD NTS, ID accuracy" in text
-    assert tags(v2)["promotion_forced"] == "mean OOD NTS; ID accuracy"
+    assert "--force: promoting despite failed gates: mean OOD NTS (val), ID accuracy (val)" in text
+    assert tags(v2)["promotion_forced"] == "mean OOD NTS (val); ID accuracy (val)"
 
 
 def test_rollback_swaps_champion_and_previous_champion(register, store, tmp_path):

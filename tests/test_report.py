@@ -3,6 +3,7 @@
 import copy
 import json
 import os
+import re
 
 import pytest
 
@@ -448,3 +449,36 @@ def test_signal_targets_are_those_where_the_ceiling_is_at_or_above_chance():
 
     assert signal_targets({"a": 49.9, "b": 50.0, "c": 71.0}, ["a", "b", "c"]) == ["b", "c"]
     assert signal_targets({}, ["a"]) == ["a"]  # no ceiling measured: nothing to exclude
+
+
+def validation_rows():
+    return [SplitResult("hh-helpful-base", "id", "val", 300, 61.0, 58.0, 69.0, 0.0),
+            SplitResult("ultrafeedback", "ood", "val", 200, 50.0, 56.0, 64.0, 0.0),
+            SplitResult("hh-helpful-online", "ood", "val", 200, 60.0, 62.0, None, 0.0)]
+
+
+def test_validation_rows_round_trip_with_their_derived_metrics(tmp_path):
+    report = example_report(validation_results=validation_rows())
+    # validation WRG 58 - 61 = -3; NTS = AOG - 3: ultrafeedback 6 - 3 = 3, online 2 - 3 = -1; mean 1
+    assert report.validation["wrg"] == pytest.approx(-3.0) and report.validation["mean_nts"] == pytest.approx(1.0)
+    assert report.wrg == pytest.approx(-5.0)  # the figures stay on test
+    data = report.to_dict()
+    assert data["validation"]["mean_nts"] == pytest.approx(1.0) and len(data["validation"]["splits"]) == 3
+    again = report_from_dict(json.loads(json.dumps(data)))
+    assert again.validation_splits == report.validation_splits and again.validation_id_split.student_accuracy == 58.0
+    assert "Validation (what promotion compares; not a figure)" in report_to_markdown(report)
+    assert example_report().validation is None and "validation" not in example_report().to_dict()
+
+
+@pytest.mark.parametrize("mutate, message", [
+    (lambda v: v["splits"][0].update(split="test"), "validation.splits[0].split: expected 'val', got 'test'"),
+    (lambda v: v["splits"].pop(), "validation.splits: datasets"),
+    (lambda v: v["splits"][1].update(role="id"), "validation.splits: a dataset's role differs"),
+    (lambda v: v.update(mean_nts=7.0), "validation.mean_nts: stored 7.0 but its splits give"),
+    (lambda v: v.update(extra=1), "validation"),
+])
+def test_bad_validation_blocks_are_named(mutate, message):
+    data = example_report(validation_results=validation_rows()).to_dict()
+    mutate(data["validation"])
+    with pytest.raises(ValueError, match=re.escape(message)):
+        validate_report_dict(data)

@@ -26,7 +26,8 @@ def test_tune_smoke_on_a_ray_cluster_and_tracking_server_then_promote_and_load(t
         client = MlflowClient(uri, registry_uri=uri)
         version = client.get_model_version_by_alias(NAME, "challenger")
         assert str(version.version) == "1"
-        for tag in ("mean_nts", "wrg", "id_accuracy", "test_splits_digest", "selection_splits"):
+        for tag in ("mean_nts", "wrg", "id_accuracy", "test_splits_digest", "selection_splits", "val_mean_nts",
+                    "validation_splits_digest"):
             assert tag in version.tags, tag
         assert version.tags["selection_splits"] == "val" and version.tags["figure_splits"] == "test"
         assert "Selected on val splits" in version.description
