@@ -51,7 +51,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--category", choices=["helpful", "harmless"], default="helpful",
                    help="picks the default --name: anchor-rm-helpful or anchor-rm-harmless")
     p.add_argument("--version", help="the version to promote (default: the version holding the alias 'challenger', "
-                                     "which pipelines/tune.py and train.py set on every new version)")
+                                     "which pipelines/tune.py sets on every version it registers)")
     p.add_argument("--max-id-drop", type=float, default=2.0, metavar="POINTS",
                    help="ID gate: the candidate's validation ID accuracy may be at most this many points below "
                         "the weak teacher's (default 2.0)")
