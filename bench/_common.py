@@ -77,25 +77,34 @@ def _own_seconds() -> float:
     return own.ru_utime + own.ru_stime + children.ru_utime + children.ru_stime
 
 
-def _tree_seconds(root: int) -> float:
-    """CPU seconds the live process `root` and its live descendants have spent (/proc/<pid>/stat)."""
-    parents, cpu = {}, {}
+def process_tree(root: int) -> set[int]:
+    """`root` and its live descendants (from /proc/<pid>/stat)."""
+    parent_of = {}
     for entry in Path("/proc").iterdir():
-        if not entry.name.isdigit():
-            continue
-        try:
-            fields = (entry / "stat").read_text().rsplit(")", 1)[1].split()
-        except OSError:
-            continue  # exited meanwhile
-        parents[int(entry.name)] = int(fields[1])
-        cpu[int(entry.name)] = (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+        if entry.name.isdigit():
+            try:
+                parent_of[int(entry.name)] = int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1])
+            except (OSError, ValueError, IndexError):
+                continue  # exited meanwhile
     tree, frontier = {root}, [root]
     while frontier:
         pid = frontier.pop()
-        children = [child for child, parent in parents.items() if parent == pid and child not in tree]
+        children = [child for child, parent in parent_of.items() if parent == pid and child not in tree]
         tree.update(children)
         frontier += children
-    return sum(cpu.get(pid, 0.0) for pid in tree)
+    return tree
+
+
+def _tree_seconds(root: int) -> float:
+    """CPU seconds the live process `root` and its live descendants have spent (/proc/<pid>/stat)."""
+    total = 0.0
+    for pid in process_tree(root):
+        try:
+            fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        total += (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+    return total
 
 
 class Disturbance:

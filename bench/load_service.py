@@ -129,25 +129,17 @@ def start_service(uri: str, workdir: Path, port: int, poll_seconds: float = 5.0)
 
 def tree_rss_mb(pid: int) -> float:
     """Resident memory of `pid` and all its descendants (bentoml serve, its arbiter and its workers), MB."""
-    parent_of, rss_kb = {}, {}
-    for entry in Path("/proc").iterdir():
-        if not entry.name.isdigit():
-            continue
+    from _common import process_tree
+
+    rss_kb = 0
+    for member in process_tree(pid):
         try:
-            stat = (entry / "stat").read_text()
-            parent_of[int(entry.name)] = int(stat[stat.rindex(")") + 2:].split()[1])
-            for line in (entry / "status").read_text().splitlines():
+            for line in Path(f"/proc/{member}/status").read_text().splitlines():
                 if line.startswith("VmRSS:"):
-                    rss_kb[int(entry.name)] = int(line.split()[1])
+                    rss_kb += int(line.split()[1])
         except (OSError, ValueError):
             continue
-    tree, frontier = {pid}, [pid]
-    while frontier:
-        parent = frontier.pop()
-        children = [child for child, p in parent_of.items() if p == parent and child not in tree]
-        tree.update(children)
-        frontier += children
-    return sum(rss_kb.get(p, 0) for p in tree) / 1024
+    return rss_kb / 1024
 
 
 class Tally:
