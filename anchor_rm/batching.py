@@ -1,12 +1,12 @@
 """Scoring requests that arrive together in one forward pass: the service's batcher (plain asyncio).
 
 One batch is scored at a time, in one dedicated thread, so the event loop keeps accepting requests. Always
-the same thread: torch's OpenMP pool belongs to the thread that calls it, and scoring from a pool of threads
-builds one OpenMP team per thread, whose idle workers spin against the busy one on a small machine. While a batch
-is being scored, the requests that arrive queue; when it is done, the queued requests go together into the
-next batch, whole, up to `max_batch_size` pairs (a larger request goes alone). There is no timer: an idle
-model scores a lone request at once, so one client pays no batching delay, and under load batches grow to
-what arrived during the previous one. A request is never split, so all its rewards come from one model
+the same thread: torch's OpenMP pool belongs to the thread that runs an operation, and every long-lived
+thread that has run one keeps its pool; on a small machine, scoring beside another thread's pool was about
+2x slower (docs/benchmarks.md, *Service*). While a batch is being scored, the requests that arrive queue;
+when it is done, the queued requests go together into the next batch, whole, up to `max_batch_size` pairs
+(a larger request goes alone). There is no timer: an idle model scores a lone request at once, so one
+client pays no batching delay, and under load batches grow to what arrived during the previous one. A request is never split, so all its rewards come from one model
 version even while a reload swaps the model.
 
 A request that waited longer than `max_wait_seconds` before its batch began gets `QueueTimeout` (the
@@ -17,8 +17,8 @@ from __future__ import annotations
 
 import asyncio
 import time
-from concurrent.futures import ThreadPoolExecutor
 from collections import deque
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Callable, Generic, Sequence, TypeVar
 

@@ -142,10 +142,6 @@ class RollbackResult:
 # ---------------------------------------------------------------------------------------------------
 # Gates: pure functions of two reports.
 
-def _splits_summary(report: EvaluationReport) -> str:
-    return ", ".join(f"{row.dataset} ({row.role}, n={row.n_pairs})" for row in report.splits)
-
-
 def _validation_summary(report: EvaluationReport) -> str:
     return ", ".join(f"{row.dataset} ({row.role}, n={row.n_pairs})" for row in report.validation_splits or [])
 
