@@ -6,8 +6,8 @@ thread that has run one keeps its pool; on a small machine, scoring beside anoth
 2x slower (docs/benchmarks.md, *Service*). While a batch is being scored, the requests that arrive queue;
 when it is done, the queued requests go together into the next batch, whole, up to `max_batch_size` pairs
 (a larger request goes alone). There is no timer: an idle model scores a lone request at once, so one
-client pays no batching delay, and under load batches grow to what arrived during the previous one. A request is never split, so all its rewards come from one model
-version even while a reload swaps the model.
+client pays no batching delay, and under load batches grow to what arrived during the previous one. A
+request is never split, so all its rewards come from one model version even while a reload swaps the model.
 
 A request that waited longer than `max_wait_seconds` before its batch began gets `QueueTimeout` (the
 service answers 503): under overload, clients learn it rather than waiting on a queue that only grows.
