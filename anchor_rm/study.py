@@ -141,7 +141,7 @@ def _train_and_measure(cfg: ProtocolConfig, shared: SharedStages, tc: TrainConfi
                             **{f"drift/{choice}/cosine/{metric_name(name)}": d.cosine for choice, d in by_layers.items()}})
     teacher_test = shared.teacher_scores("test")
     tm = transfer_metrics({k: v.accuracy for k, v in teacher_test.items()}, {k: v.accuracy for k, v in test.items()},
-                          shared.splits.source)
+                          shared.splits.source, headline_targets=shared.headline_targets)
     mlflow.log_metrics({"test/wrg": tm.wrg, "test/mean_nts": tm.mean_nts, "train/seconds": result.seconds,
                         "train/pairs": len(encoded)})
     return {"val": scores_to_dict(val), "test": scores_to_dict(test), "drift": drift, "train_seconds": result.seconds}

@@ -32,7 +32,7 @@ def model_metrics(instance: dict, test_scores: dict, drift: dict | None = None) 
     student = _accuracies(test_scores)
     ceiling = instance["ceiling_scores"]
     ceiling_acc = {source: ceiling["test"][source]["accuracy"]} if ceiling else None
-    tm = transfer_metrics(teacher, student, source, ceiling_acc)
+    tm = transfer_metrics(teacher, student, source, ceiling_acc, headline_targets=instance.get("headline_targets"))
     targets = list(tm.aog)
     out = {"id_acc": tm.id_acc_student, "n_id": test_scores[source]["n_pairs"], "wrg": tm.wrg, "aog": tm.aog,
            "nts": tm.nts, "mean_nts": tm.mean_nts, "pgr": tm.pgr_id,
@@ -175,6 +175,53 @@ def paired(rows, a: str, b: str, key: str = "mean_nts") -> str:
     return text + f"; SE {se:.2f}, 95% CI {diffs.mean() - half:+.2f} to {diffs.mean() + half:+.2f}) -> {verdict}"
 
 
+PRIMARY = ("ANCHOR last (lambda tuned on val)", "naive W2S")  # fixed before the study ran: issue 13, item 5
+
+
+def paired_bootstrap(instance: dict, a: dict, b: dict, resamples: int = 2000, seed: int = 0) -> tuple[float, float, float] | None:
+    """Student `a` minus student `b` in test mean OOD NTS within one instance, with a 95% percentile interval
+    from resampling the test pairs of every split (the same resample for both models: paired). The teacher's
+    accuracies are held at their values. None when the scores carry no per-pair outcomes."""
+    source = instance["source"]
+    names = [source, *instance["targets"]]
+    if any(s["test"][name].get("correct") is None for s in (a, b) for name in names):
+        return None
+    teacher = _accuracies(instance["teacher_scores"]["test"])
+    headline = instance.get("headline_targets")
+    bits = {name: (np.frombuffer(a["test"][name]["correct"].encode(), np.uint8) - 48,
+                   np.frombuffer(b["test"][name]["correct"].encode(), np.uint8) - 48) for name in names}
+
+    def mean_nts(acc: dict[str, float]) -> float:
+        return transfer_metrics(teacher, acc, source, headline_targets=headline).mean_nts
+
+    observed = mean_nts(_accuracies(a["test"])) - mean_nts(_accuracies(b["test"]))
+    rng = np.random.default_rng(seed)
+    diffs = np.empty(resamples)
+    for i in range(resamples):
+        acc_a, acc_b = {}, {}
+        for name, (bits_a, bits_b) in bits.items():
+            index = rng.integers(0, len(bits_a), len(bits_a))
+            acc_a[name], acc_b[name] = 100 * bits_a[index].mean(), 100 * bits_b[index].mean()
+        diffs[i] = mean_nts(acc_a) - mean_nts(acc_b)
+    low, high = np.percentile(diffs, [2.5, 97.5])
+    return float(observed), float(low), float(high)
+
+
+def primary_comparison(instances: Sequence[dict], rows) -> list[str]:
+    """The one comparison fixed before the run, its t interval over seeds and a bootstrap per seed."""
+    a, b = PRIMARY
+    lines = [f"- {paired(rows, a, b)}"]
+    for inst in instances:
+        boot = paired_bootstrap(inst, tuned(inst, _is("anchor", "last")), tuned(inst, _is("naive")))
+        if boot is None:
+            lines.append(f"  - seed {inst['seed']}: no per-pair outcomes stored, no bootstrap")
+            continue
+        verdict = "within noise" if boot[1] <= 0 <= boot[2] else ("higher" if boot[0] > 0 else "lower")
+        lines.append(f"  - seed {inst['seed']}: {boot[0]:+.2f}, paired bootstrap over test pairs (2,000 resamples) "
+                     f"95% interval {boot[1]:+.2f} to {boot[2]:+.2f} -> {verdict}")
+    return lines
+
+
 def correlations(instances: Sequence[dict]) -> tuple[float, float, int]:
     """Pearson and Spearman correlation of last-layer drift (OOD mean) with OOD drop over every student run."""
     metrics = [model_metrics(inst, s["test"], s["drift"]) for inst in instances for s in inst["students"]]
@@ -273,6 +320,12 @@ def write_study_report(instances: list[dict], out: str | Path) -> list[Path]:
                   f"Seeds: {', '.join(str(i['seed']) for i in insts)}. Test pairs per seed: {sizes}.", ""]
         lines += main_table(rows) + [""]
         lines += [f"### {cat}: per OOD target (AOG and NTS, points)", ""] + target_table(rows, first["targets"]) + [""]
+        lines += [f"### {cat}: the primary comparison (fixed before the run)", "",
+                  f"{PRIMARY[0]} minus {PRIMARY[1]}, test mean OOD NTS over the headline targets "
+                  f"(each seed's; seed {first['seed']}: {', '.join(first.get('headline_targets') or first['targets'])}), paired by "
+                  "seed, 95% t interval "
+                  "with n - 1 degrees of freedom; then per seed a paired bootstrap over test pairs.", ""]
+        lines += primary_comparison(insts, rows) + [""]
         lines += [f"### {cat}: paired comparisons (per seed, same splits and teacher)", ""]
         anchor_rows = [label for label, _, _ in rows if label.startswith("ANCHOR") and "tuned" in label]
         for a in anchor_rows:

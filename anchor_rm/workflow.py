@@ -135,6 +135,10 @@ class SplitScore:
     n_pairs: int
     tie_rate: float  # points
     identical_after_truncation: int
+    # One character per evaluated pair, in order: "1" where the chosen response scored strictly above the
+    # rejected one. What a paired bootstrap over pairs resamples (study_report); None in scores stored
+    # before it was kept.
+    correct: str | None = None
 
 
 def evaluate_pairs(rm: RewardModel, pairs: Sequence[PreferencePair], batch_size: int = 32, *, precision: str = "auto",
@@ -144,7 +148,9 @@ def evaluate_pairs(rm: RewardModel, pairs: Sequence[PreferencePair], batch_size:
     if len(encoded) == 0:
         raise ValueError("no pair left to evaluate after truncation")
     chosen, rejected = rm.scorer(batch_size, precision).score_pairs(encoded, hidden_states_hook)
-    return SplitScore(pairwise_accuracy(chosen, rejected), len(encoded), tie_rate(chosen, rejected), encoded.identical_after_truncation)
+    correct = "".join("1" if c > r else "0" for c, r in zip(chosen, rejected))
+    return SplitScore(pairwise_accuracy(chosen, rejected), len(encoded), tie_rate(chosen, rejected),
+                      encoded.identical_after_truncation, correct)
 
 
 def evaluation_sets(splits: ProtocolSplits, split: str) -> list[tuple[str, str, list[PreferencePair]]]:

@@ -35,6 +35,8 @@ def test_drift_is_zero_for_the_reference_itself_and_grows_with_perturbation(tiny
     states = evaluation_reference(reference, rm, pairs, [1, 2], batch_size=5)
     score, drift = evaluate_with_drift(rm, pairs, states, {"last": [2], "both": [1, 2]}, batch_size=7)
     assert score == evaluate_pairs(rm, pairs, 7)  # the same scoring pass, the same accuracy
+    assert len(score.correct) == score.n_pairs and set(score.correct) <= {"0", "1"}  # per-pair outcomes
+    assert 100 * score.correct.count("1") / score.n_pairs == pytest.approx(score.accuracy)
     assert drift["last"].msd == pytest.approx(0.0, abs=1e-6) and drift["last"].cosine == pytest.approx(1.0, abs=1e-5)
     assert drift["both"].n_sequences == 2 * len(pairs)
 
@@ -153,3 +155,40 @@ def test_study_cli_names_bad_arguments(tmp_path):
     bad = run_pipeline("study.py", "--seeds", "a", cwd=tmp_path)
     assert bad.returncode == 2 and "comma-separated integers" in bad.stderr
     assert not (tmp_path / "o").exists()  # refused before anything was written
+
+
+def _bits(accuracy_points: int, n: int = 100) -> str:
+    return "1" * accuracy_points + "0" * (n - accuracy_points)
+
+
+def test_paired_bootstrap_resamples_pairs_for_both_models_alike():
+    from anchor_rm.study_report import paired_bootstrap
+
+    inst = _instance(0, {1e-3: 4.0}, {1e-3: 70.0})
+    naive, anchor = inst["students"][0], inst["students"][2]
+    for student in (naive, anchor):
+        for name, score in student["test"].items():
+            score["correct"] = _bits(int(score["accuracy"]))
+    observed, low, high = paired_bootstrap(inst, anchor, naive)
+    # anchor: ID 60 (teacher 60), OOD 70 -> NTS 10; naive: ID 61, OOD 59 -> NTS -1
+    assert math.isclose(observed, 11.0)
+    assert low < observed < high and low > 0  # 11 points on 100 pairs, paired: clearly above zero
+    same = paired_bootstrap(inst, naive, naive)
+    assert same == (0.0, 0.0, 0.0)  # one model against itself: every resample gives 0
+    del naive["test"]["ood"]["correct"]
+    assert paired_bootstrap(inst, anchor, naive) is None  # scores stored before per-pair outcomes existed
+
+
+def test_the_primary_comparison_is_written_first_with_its_bootstrap(tmp_path):
+    from anchor_rm.study_report import write_study_report
+
+    instances = [_instance(seed, {1e-3: 4.0}, {1e-3: 61.0 + seed}) for seed in (0, 1)]
+    for inst in instances:
+        for student in inst["students"]:
+            for score in student["test"].values():
+                score["correct"] = _bits(int(score["accuracy"]))
+    write_study_report(instances, tmp_path)
+    text = (tmp_path / "tables.md").read_text()
+    primary = text.index("the primary comparison (fixed before the run)")
+    assert primary < text.index("paired comparisons (per seed")
+    assert "  - seed 0: +2.00, paired bootstrap over test pairs (2,000 resamples) 95% interval" in text
