@@ -55,7 +55,8 @@ def pairwise_accuracy(
 
     An exact tie counts as wrong: a tie expresses no preference, and counting it as right (or as half)
     would reward a model that collapses to a constant score. Truncation that cuts both responses away
-    produces exactly such ties (12% on HH helpful-base, see DESIGN.md), and they must cost accuracy.
+    produces exactly such ties (scoring.encode_pairs drops the pairs it made identical), and a bf16 reward
+    rounds close rewards into ties (scoring.fp32_reward_head): either must cost accuracy, not hide.
     """
     chosen, rejected = _as_reward_pairs(chosen_rewards, rejected_rewards)
     return float(100.0 * np.mean(chosen > rejected))

@@ -216,7 +216,7 @@ def _consistency_errors(report_dict: dict[str, Any]) -> list[str]:
             )
     selection = {name.strip() for name in report_dict["selection_splits"].split(",")}
     if figure_split in selection:
-        # DESIGN.md: figures come from splits no selection has seen; otherwise they overstate transfer.
+        # Figures come from splits no selection has seen; otherwise they overstate transfer.
         errors.append(
             f"figure_splits: {figure_split!r} was also used for selection (selection_splits="
             f"{report_dict['selection_splits']!r}); report on a split selection has not seen"

@@ -57,7 +57,7 @@ def test_accuracy_standard_error():
     assert accuracy_standard_error(50.0, 100) == pytest.approx(5.0)
     # 100 * sqrt(0.8 * 0.2 / 400) = 2.0
     assert accuracy_standard_error(80.0, 400) == pytest.approx(2.0)
-    # DESIGN.md: about 2.3 points at ~470 pairs near chance
+    # about 2.3 points at ~470 pairs near chance: 100 * sqrt(0.25 / 470)
     assert accuracy_standard_error(50.0, 470) == pytest.approx(2.306, abs=1e-3)
     assert accuracy_standard_error(100.0, 10) == 0.0
     with pytest.raises(ValueError, match="n_pairs"):

@@ -1,7 +1,8 @@
 """The search itself: the baselines and the ANCHOR search as two Tune experiments with the same budget.
 
 - baselines: naive W2S and confidence W2S, every epoch, no early stopping (they are the yardstick);
-- anchor: Optuna over lambda (0 or log-uniform 1e-6..1e-1) and the layer choice, with ASHA.
+- anchor: Optuna over lambda (0 or log-uniform over space.LAMBDA_RANGE, 1e-6..10) and the layer choice,
+  with ASHA.
 
 Both write under <storage>/<name>/ (Tune state in baselines/ and anchor/, Train runs and checkpoints in
 train/), so `--resume` restores each one that did not finish and reuses the
