@@ -160,7 +160,7 @@ _REGISTERED = re.compile(r"^models:/(?P<name>[^/@]+)(?:@(?P<alias>[^/@]+)|/(?P<v
 _RUN = re.compile(r"^runs:/(?P<run_id>[^/]+)/(?P<path>.+?)/?$")
 
 
-def resolve_model(uri: str, download_dir: str | Path) -> ResolvedModel:
+def resolve_model_uri(uri: str, download_dir: str | Path) -> ResolvedModel:
     """A registry URI, a run URI or a local folder -> the reward model folder (downloaded into
     download_dir when remote) and what MLflow knows of it."""
     download_dir = Path(download_dir)
@@ -277,7 +277,7 @@ def find_teacher(model: ResolvedModel, download_dir: str | Path) -> tuple[Resolv
         return None, f"no teacher: run {model.run_id} has no {TEACHER_RUN_TAG} tag (--teacher names one)"
     uri = f"runs:/{teacher_run}/model"
     try:
-        teacher = resolve_model(uri, Path(download_dir) / "teacher")
+        teacher = resolve_model_uri(uri, Path(download_dir) / "teacher")
     except ModelError as exc:
         return None, f"no teacher: the teacher run named by {TEACHER_RUN_TAG} has no usable model/ artifact ({exc})"
     return teacher, f"teacher: {uri} (tag {TEACHER_RUN_TAG} of run {model.run_id})"

@@ -398,14 +398,14 @@ def parse_registry_uri(uri: str) -> tuple[str, str | None, str | None] | None:
 
 
 def load_served_model(uri: str, download_dir: str | Path, batch_size: int = 32, precision: str = "auto") -> ServedModel:
-    """Resolve `uri` (anchor_rm.evaluation.resolve_model: registry, run or folder), load the reward model and
+    """Resolve `uri` (anchor_rm.evaluation.resolve_model_uri: registry, run or folder), load the reward model and
     its tokenizer (workflow.load_saved), read its report and headline figures. `precision` (auto | fp32 |
     bf16) is resolved here, once per process, so that /model says what scores."""
-    from anchor_rm.evaluation import resolve_model
+    from anchor_rm.evaluation import resolve_model_uri
     from anchor_rm.precision import resolve_precision
     from anchor_rm.workflow import load_saved
 
-    resolved = resolve_model(uri, download_dir)
+    resolved = resolve_model_uri(uri, download_dir)
     reward_model = load_saved(resolved.folder)
     parsed = parse_registry_uri(uri)
     tags: dict[str, str] = {}

@@ -127,11 +127,11 @@ def evaluate(args) -> int:
             if tracking_uri.startswith("sqlite:") and not os.environ.get("MLFLOW_REGISTRY_URI"):
                 mlflow.set_registry_uri(tracking_uri)
         with tempfile.TemporaryDirectory(prefix="anchor-rm-evaluate-") as tmp:
-            model = ev.resolve_model(args.model, Path(tmp) / "student")
+            model = ev.resolve_model_uri(args.model, Path(tmp) / "student")
             log.info("model: %s (%s)", model.name, model.folder)
             teacher, why = None, "no teacher: --no-teacher"
             if args.teacher:
-                teacher, why = ev.resolve_model(args.teacher, Path(tmp) / "teacher"), f"teacher: {args.teacher}"
+                teacher, why = ev.resolve_model_uri(args.teacher, Path(tmp) / "teacher"), f"teacher: {args.teacher}"
             elif not args.no_teacher:
                 teacher, why = ev.find_teacher(model, tmp)
             log.info("%s", why)
