@@ -3,6 +3,7 @@ service all call `RewardScorer.score`."""
 
 from __future__ import annotations
 
+import math
 from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Callable, Sequence
@@ -135,3 +136,20 @@ class RewardScorer:
         """Rewards of the chosen and of the rejected responses; the hook sees chosen + rejected indices."""
         rewards = self.score_encoded(pairs.chosen + pairs.rejected, hidden_states_hook)
         return rewards[: len(pairs)], rewards[len(pairs) :]
+
+
+# ---------------------------------------------------------------------------------------------------
+# Best-of-n and pairwise preference from rewards.
+
+def rank(rewards: Sequence[float]) -> list[int]:
+    """Indices, best reward first; equal rewards keep request order."""
+    return sorted(range(len(rewards)), key=lambda i: (-float(rewards[i]), i))
+
+
+def preference_probability(reward_a: float, reward_b: float) -> float:
+    """P(a preferred over b) = sigmoid(r_a - r_b), without overflow for large differences."""
+    d = float(reward_a) - float(reward_b)
+    if d >= 0:
+        return 1.0 / (1.0 + math.exp(-d))
+    e = math.exp(d)
+    return e / (1.0 + e)

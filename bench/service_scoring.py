@@ -3,7 +3,7 @@
     threads   a short pair scored by `RewardScorer` from the thread that loaded the model, from another
               long-lived thread (the service's scoring thread) while the loading thread lives on, and from
               another thread after the model was loaded in a thread that has ended
-              (`serving.in_fresh_thread`, what the service does). Each variant in a fresh subprocess, since
+              (`service/holder.py: in_fresh_thread`, what the service does). Each variant in a fresh subprocess, since
               which threads have run torch is process state. Median ms over --calls.
     forward   batches of 32 mixed-length HH pairs (as concurrent requests make them), scored with forward
               passes of 32, 16, 8, 4 and 1 length-sorted sequences: pairs/s (ANCHOR_RM_FORWARD_BATCH_SIZE)
@@ -60,7 +60,7 @@ def _timed(function, calls: int) -> float:
 
 def one_variant(variant: str, folder: str, calls: int, requested: str) -> float:
     from anchor_rm.precision import resolve_precision
-    from anchor_rm.serving import in_fresh_thread
+    from service.holder import in_fresh_thread
     from anchor_rm.workflow import load_saved
 
     def load():  # resolving the precision runs a matmul: part of loading, on the loading thread

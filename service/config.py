@@ -41,7 +41,7 @@ from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Mapping
 
-from anchor_rm.serving import DEFAULT_MODEL_URI, ServingLimits
+from service.schemas import DEFAULT_MODEL_URI, ServingLimits
 
 PREFIX = "ANCHOR_RM_"
 CONFIG_VARIABLE = "ANCHOR_RM_CONFIG"

@@ -6,7 +6,9 @@
 
 It serves the model ANCHOR_RM_MODEL_URI names (default models:/anchor-rm-helpful@champion) with that
 version's report, and follows the alias when it moves. Settings: service/config.py. The logic lives in
-anchor_rm/serving.py; this file is the BentoML wiring.
+framework-free modules beside it (schemas.py: requests, responses and their limits; holder.py: the served
+model and its reloads; guard.py: the ASGI guard) and in anchor_rm (scoring, batching); this file is the
+BentoML wiring.
 
 Public endpoints validate a request, then score its pairs through one `ScoreBatcher` (anchor_rm/batching.py):
 the requests that arrive while a batch is being scored share the next batch, in this process, without a
@@ -27,11 +29,12 @@ import bentoml
 from bentoml.exceptions import ServiceUnavailable
 from starlette.responses import JSONResponse
 
-from anchor_rm import serving
+from anchor_rm import scoring
 from anchor_rm.batching import QueueTimeout, ScoreBatcher
-from anchor_rm.serving import (BestOfNRequest, BestOfNResponse, CompareRequest, CompareResponse, GetRewardRequest,
-                               GetRewardResponse, ModelInfo, ModelRef, ReloadResponse, RequestError, ScoreRequest,
-                               ScoreResponse)
+from service import guard, holder, schemas
+from service.schemas import (BestOfNRequest, BestOfNResponse, CompareRequest, CompareResponse, GetRewardRequest,
+                             GetRewardResponse, ModelInfo, ModelRef, ReloadResponse, RequestError, ScoreRequest,
+                             ScoreResponse)
 from service.config import load_settings
 
 logger = logging.getLogger("anchor_rm.service")
@@ -58,12 +61,12 @@ def _bad_request(exc: RequestError) -> JSONResponse:
 )
 class RewardService:
     def __init__(self) -> None:
-        serving.configure_mlflow()
+        holder.configure_mlflow()
         self._own_root = not SETTINGS.download_dir
-        self._root = Path(SETTINGS.download_dir) if SETTINGS.download_dir else serving.default_download_root()
+        self._root = Path(SETTINGS.download_dir) if SETTINGS.download_dir else holder.default_download_root()
         self.limits = SETTINGS.limits()
-        self.holder = serving.ModelHolder(SETTINGS.model_uri, self._root,
-                                          loader=functools.partial(serving.load_served_model, batch_size=SETTINGS.forward_batch_size,
+        self.holder = holder.ModelHolder(SETTINGS.model_uri, self._root,
+                                          loader=functools.partial(holder.load_served_model, batch_size=SETTINGS.forward_batch_size,
                                                                            precision=SETTINGS.precision))
         self.holder.load()
         self.holder.start_polling(SETTINGS.poll_seconds)
@@ -100,7 +103,7 @@ class RewardService:
         prompts = [item.prompt for item in request.items]
         responses = [item.response for item in request.items]
         try:
-            serving.check_pairs(prompts, responses, self.limits)
+            schemas.check_pairs(prompts, responses, self.limits)
         except RequestError as exc:
             return _bad_request(exc)
         rewards, truncated, ref = await self._score(prompts, responses)
@@ -110,22 +113,22 @@ class RewardService:
     async def best_of_n(self, request: BestOfNRequest, /) -> BestOfNResponse:
         """Rank candidate responses to one prompt: rewards, the ranking (best first) and the best index."""
         try:
-            serving.check_best_of_n(request.prompt, request.candidates, self.limits)
+            schemas.check_best_of_n(request.prompt, request.candidates, self.limits)
         except RequestError as exc:
             return _bad_request(exc)
         rewards, truncated, ref = await self._score([request.prompt] * len(request.candidates), request.candidates)
-        ranking = serving.rank(rewards)
+        ranking = scoring.rank(rewards)
         return BestOfNResponse(rewards=rewards, ranking=ranking, best_index=ranking[0], truncated=truncated, model=ref)
 
     @bentoml.api(route="/compare")
     async def compare(self, request: CompareRequest, /) -> CompareResponse:
         """P(response_a preferred over response_b) = sigmoid(r_a - r_b), with both rewards."""
         try:
-            serving.check_compare(request.prompt, request.response_a, request.response_b, self.limits)
+            schemas.check_compare(request.prompt, request.response_a, request.response_b, self.limits)
         except RequestError as exc:
             return _bad_request(exc)
         (r_a, r_b), (t_a, t_b), ref = await self._score([request.prompt] * 2, [request.response_a, request.response_b])
-        return CompareResponse(p_a_preferred=serving.preference_probability(r_a, r_b), reward_a=r_a, reward_b=r_b,
+        return CompareResponse(p_a_preferred=scoring.preference_probability(r_a, r_b), reward_a=r_a, reward_b=r_b,
                                truncated_a=t_a, truncated_b=t_b, model=ref)
 
     @bentoml.api(route="/get_reward")
@@ -133,7 +136,7 @@ class RewardService:
         """OpenRLHF's remote reward model: {"query": [...], "prompts": [...], "labels": [...]} ->
         {"rewards": [...], "scores": [...], "extra_logs": {...}}. Point --remote_rm_url at this route."""
         try:
-            split = serving.split_queries(request.query, request.prompts, self.limits, request.labels)
+            split = schemas.split_queries(request.query, request.prompts, self.limits, request.labels)
         except RequestError as exc:
             return _bad_request(exc)
         rewards, truncated, ref = await self._score(split.prompts, split.responses)
@@ -165,5 +168,5 @@ class RewardService:
 
 
 RewardService.add_asgi_middleware(
-    serving.ApiGuard, api_key=SETTINGS.api_key, max_body_bytes=SETTINGS.max_body_bytes,
+    guard.ApiGuard, api_key=SETTINGS.api_key, max_body_bytes=SETTINGS.max_body_bytes,
 )

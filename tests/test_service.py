@@ -1,4 +1,4 @@
-"""The serving logic behind the HTTP service (anchor_rm/serving.py, service/config.py), without a server:
+"""The serving logic behind the HTTP service (service/schemas.py, holder.py, guard.py, config.py), without a server:
 request limits and their messages, best-of-n and compare, OpenRLHF's query split, the API-key guard as a
 plain ASGI app, the model holder's reload, and scoring a registered version through the library's path."""
 
@@ -16,13 +16,16 @@ import numpy as np
 import pytest
 from mlflow.tracking import MlflowClient
 
-from anchor_rm import registry, serving
+from anchor_rm import registry, scoring
 from anchor_rm.encoding import RewardEncoder
 from anchor_rm.report import SplitResult, build_report
-from anchor_rm.serving import RequestError, ServingLimits
 from anchor_rm.tracking import configure
 from anchor_rm.workflow import RewardModel, load_saved, save_reward_model
+from service import schemas
 from service.config import Settings, SettingsError, load_settings
+from service.guard import HEALTH_PATHS, ApiGuard, validation_message
+from service.holder import ModelHolder, in_fresh_thread, load_served_model, target_version
+from service.schemas import RequestError, ServingLimits
 
 LIMITS = ServingLimits(max_items=4, max_candidates=3, max_text_bytes=20)
 
@@ -31,21 +34,21 @@ LIMITS = ServingLimits(max_items=4, max_candidates=3, max_text_bytes=20)
 # Limits and messages.
 
 @pytest.mark.parametrize("call, field, words", [
-    (lambda: serving.check_pairs([], [], LIMITS), "items", ["empty"]),
-    (lambda: serving.check_pairs(["p"] * 5, ["r"] * 5, LIMITS), "items", ["5 entries", "limit of 4", "ANCHOR_RM_MAX_ITEMS"]),
-    (lambda: serving.check_pairs(["p", " "], ["r", "r"], LIMITS), "items[1].prompt", ["empty"]),
-    (lambda: serving.check_pairs(["p"], ["é" * 11], LIMITS), "items[0].response", ["22 bytes", "limit of 20 bytes", "ANCHOR_RM_MAX_TEXT_BYTES"]),
-    (lambda: serving.check_pairs(["p"], [5], LIMITS), "items[0].response", ["must be a string", "int"]),
-    (lambda: serving.check_pairs(["\ud800"], ["r"], LIMITS), "items[0].prompt", ["lone surrogate"]),
-    (lambda: serving.check_best_of_n("p", [], LIMITS), "candidates", ["empty"]),
-    (lambda: serving.check_best_of_n("p", ["a"] * 4, LIMITS), "candidates", ["4 entries", "limit of 3", "ANCHOR_RM_MAX_CANDIDATES"]),
-    (lambda: serving.check_best_of_n("", ["a"], LIMITS), "prompt", ["empty"]),
-    (lambda: serving.check_best_of_n("p", "ab", LIMITS), "candidates", ["must be a list"]),
-    (lambda: serving.check_compare("p", "a", "x" * 21, LIMITS), "response_b", ["21 bytes", "limit of 20"]),
-    (lambda: serving.split_queries([], None, LIMITS), "query", ["empty"]),
-    (lambda: serving.split_queries(["q1", "q2"], ["q"], LIMITS), "prompts", ["1 entries", "query has 2"]),
-    (lambda: serving.split_queries(["q1", ""], None, LIMITS), "query[1]", ["empty"]),
-    (lambda: serving.split_queries(["q"], None, LIMITS, labels="x"), "labels", ["must be a list"]),
+    (lambda: schemas.check_pairs([], [], LIMITS), "items", ["empty"]),
+    (lambda: schemas.check_pairs(["p"] * 5, ["r"] * 5, LIMITS), "items", ["5 entries", "limit of 4", "ANCHOR_RM_MAX_ITEMS"]),
+    (lambda: schemas.check_pairs(["p", " "], ["r", "r"], LIMITS), "items[1].prompt", ["empty"]),
+    (lambda: schemas.check_pairs(["p"], ["é" * 11], LIMITS), "items[0].response", ["22 bytes", "limit of 20 bytes", "ANCHOR_RM_MAX_TEXT_BYTES"]),
+    (lambda: schemas.check_pairs(["p"], [5], LIMITS), "items[0].response", ["must be a string", "int"]),
+    (lambda: schemas.check_pairs(["\ud800"], ["r"], LIMITS), "items[0].prompt", ["lone surrogate"]),
+    (lambda: schemas.check_best_of_n("p", [], LIMITS), "candidates", ["empty"]),
+    (lambda: schemas.check_best_of_n("p", ["a"] * 4, LIMITS), "candidates", ["4 entries", "limit of 3", "ANCHOR_RM_MAX_CANDIDATES"]),
+    (lambda: schemas.check_best_of_n("", ["a"], LIMITS), "prompt", ["empty"]),
+    (lambda: schemas.check_best_of_n("p", "ab", LIMITS), "candidates", ["must be a list"]),
+    (lambda: schemas.check_compare("p", "a", "x" * 21, LIMITS), "response_b", ["21 bytes", "limit of 20"]),
+    (lambda: schemas.split_queries([], None, LIMITS), "query", ["empty"]),
+    (lambda: schemas.split_queries(["q1", "q2"], ["q"], LIMITS), "prompts", ["1 entries", "query has 2"]),
+    (lambda: schemas.split_queries(["q1", ""], None, LIMITS), "query[1]", ["empty"]),
+    (lambda: schemas.split_queries(["q"], None, LIMITS, labels="x"), "labels", ["must be a list"]),
 ])
 def test_bad_requests_name_the_field_and_the_limit(call, field, words):
     with pytest.raises(RequestError) as info:
@@ -59,43 +62,43 @@ def test_bad_requests_name_the_field_and_the_limit(call, field, words):
 
 
 def test_limits_at_the_edge_pass():
-    serving.check_pairs(["p"] * 4, ["é" * 10] * 4, LIMITS)  # exactly 4 items of exactly 20 bytes
-    serving.check_best_of_n("p", ["a", "b", "c"], LIMITS)
+    schemas.check_pairs(["p"] * 4, ["é" * 10] * 4, LIMITS)  # exactly 4 items of exactly 20 bytes
+    schemas.check_best_of_n("p", ["a", "b", "c"], LIMITS)
     with pytest.raises(ValueError, match="max_items must be at least 1"):
         ServingLimits(max_items=0)
 
 
 def test_openrlhf_queries_split_at_their_prompt():
-    split = serving.split_queries(["Q: hi\nA: hello", "Q: hi\nA:", "unrelated text"], ["Q: hi\nA:", "Q: hi\nA:", "Q: x"],
+    split = schemas.split_queries(["Q: hi\nA: hello", "Q: hi\nA:", "unrelated text"], ["Q: hi\nA:", "Q: hi\nA:", "Q: x"],
                                   LIMITS, labels=[None, "a", 3])
     assert split.prompts == ["Q: hi\nA:", "Q: hi\nA:", ""]
     assert split.responses == [" hello", "", "unrelated text"]  # a policy that stopped at once: empty response
     assert split.prompt_found == [True, True, False]
-    absent = serving.split_queries(["whole text"], None, LIMITS)
+    absent = schemas.split_queries(["whole text"], None, LIMITS)
     assert (absent.prompts, absent.responses, absent.prompt_found) == ([""], ["whole text"], [False])
 
 
 def test_ranking_and_preference_probability():
-    assert serving.rank([0.1, 2.0, -1.0, 2.0]) == [1, 3, 0, 2]  # ties keep request order
-    assert serving.preference_probability(1.0, 1.0) == 0.5
-    assert serving.preference_probability(2.0, 0.5) == pytest.approx(1 / (1 + math.exp(-1.5)))
-    assert serving.preference_probability(2.0, 0.5) + serving.preference_probability(0.5, 2.0) == pytest.approx(1.0)
-    assert serving.preference_probability(1000.0, -1000.0) == 1.0  # no overflow either way
-    assert serving.preference_probability(-1000.0, 1000.0) == 0.0
+    assert scoring.rank([0.1, 2.0, -1.0, 2.0]) == [1, 3, 0, 2]  # ties keep request order
+    assert scoring.preference_probability(1.0, 1.0) == 0.5
+    assert scoring.preference_probability(2.0, 0.5) == pytest.approx(1 / (1 + math.exp(-1.5)))
+    assert scoring.preference_probability(2.0, 0.5) + scoring.preference_probability(0.5, 2.0) == pytest.approx(1.0)
+    assert scoring.preference_probability(1000.0, -1000.0) == 1.0  # no overflow either way
+    assert scoring.preference_probability(-1000.0, 1000.0) == 0.0
 
 
 def test_validation_messages_name_fields():
     detail = [{"loc": ["items", 0, "prompt"], "msg": "Field required"}, {"loc": [], "msg": "Invalid JSON: x"}]
-    assert serving.validation_message(detail) == "items[0].prompt: Field required; body: Invalid JSON: x"
+    assert validation_message(detail) == "items[0].prompt: Field required; body: Invalid JSON: x"
 
 
 def test_request_models_keep_inputs_out_of_error_messages():
     from pydantic import ValidationError
 
     with pytest.raises(ValidationError) as info:
-        serving.ScoreRequest.model_validate_json('{"items": [{"prompt": 5, "response": "r"}], "x": "SECRET-TEXT"}')
+        schemas.ScoreRequest.model_validate_json('{"items": [{"prompt": 5, "response": "r"}], "x": "SECRET-TEXT"}')
     assert "SECRET-TEXT" not in str(info.value) and "input_value" not in str(info.value)
-    ok = serving.GetRewardRequest.model_validate({"query": ["q"], "labels": [1, None], "newer_field": 1})
+    ok = schemas.GetRewardRequest.model_validate({"query": ["q"], "labels": [1, None], "newer_field": 1})
     assert ok.prompts is None and ok.labels == [1, None]
 
 
@@ -177,7 +180,7 @@ def _call(guard, method: str, path: str, **kwargs) -> httpx.Response:
 
 
 def test_guard_requires_the_key_except_for_health_checks():
-    guard = serving.ApiGuard(_echo, api_key="k3y")
+    guard = ApiGuard(_echo, api_key="k3y")
     assert _call(guard, "POST", "/score", json={}).status_code == 401
     assert _call(guard, "GET", "/metrics").status_code == 401
     wrong = _call(guard, "POST", "/score", json={}, headers={"Authorization": "Bearer nope"})
@@ -186,12 +189,12 @@ def test_guard_requires_the_key_except_for_health_checks():
     assert _call(guard, "POST", "/score", json={}, headers={"Authorization": "Bearer k3y"}).status_code == 200
     assert _call(guard, "POST", "/score", json={}, headers={"authorization": "bearer k3y"}).status_code == 200
     assert _call(guard, "POST", "/score", json={}, headers={"X-API-Key": "k3y"}).status_code == 200
-    for path in serving.HEALTH_PATHS:
+    for path in HEALTH_PATHS:
         assert _call(guard, "GET", path).status_code == 200
 
 
 def test_guard_without_a_key_lets_requests_through_and_limits_bodies():
-    guard = serving.ApiGuard(_echo, max_body_bytes=100)
+    guard = ApiGuard(_echo, max_body_bytes=100)
     ok = _call(guard, "POST", "/score", content=b"x" * 100)
     assert ok.status_code == 200 and ok.json()["bytes"] == 100  # the body still reaches the app
     big = _call(guard, "POST", "/score", content=b"x" * 101)
@@ -206,7 +209,7 @@ def test_guard_without_a_key_lets_requests_through_and_limits_bodies():
 
 
 def test_guard_rewrites_validation_errors_to_name_fields():
-    response = _call(serving.ApiGuard(_echo), "POST", "/invalid", json={})
+    response = _call(ApiGuard(_echo), "POST", "/invalid", json={})
     assert response.status_code == 400
     body = response.json()
     assert body["error"] == "items[0].response: Field required"
@@ -234,7 +237,7 @@ def test_holder_swaps_only_when_the_alias_moves_and_keeps_serving_on_failure(tmp
             raise RuntimeError("corrupt weights")
         return _FakeModel(target["version"])
 
-    holder = serving.ModelHolder("models:/m@champion", tmp_path, loader=loader, target=lambda uri: target["version"])
+    holder = ModelHolder("models:/m@champion", tmp_path, loader=loader, target=lambda uri: target["version"])
     assert not holder.loaded
     holder.load()
     in_flight = holder.current  # a request that took the model before the reload
@@ -253,7 +256,7 @@ def test_holder_swaps_only_when_the_alias_moves_and_keeps_serving_on_failure(tmp
 
 def test_holder_polls_in_the_background(tmp_path):
     target = {"version": "1"}
-    holder = serving.ModelHolder("models:/m@champion", tmp_path, loader=lambda uri, folder: _FakeModel(target["version"]),
+    holder = ModelHolder("models:/m@champion", tmp_path, loader=lambda uri, folder: _FakeModel(target["version"]),
                                  target=lambda uri: target["version"])
     holder.load()
     holder.start_polling(0.05)
@@ -272,7 +275,7 @@ def test_lookup_failures_are_reported_not_raised(tmp_path):
     def target(uri):
         raise ConnectionError("registry down")
 
-    holder = serving.ModelHolder("models:/m@champion", tmp_path, loader=lambda uri, folder: _FakeModel("1"), target=target)
+    holder = ModelHolder("models:/m@champion", tmp_path, loader=lambda uri, folder: _FakeModel("1"), target=target)
     holder.load()
     result = holder.refresh()
     assert not result.changed and "registry down" in result.error and holder.current.version == "1"
@@ -311,7 +314,7 @@ def registered(tmp_path, monkeypatch, tiny_bert, minilm_tokenizer):
 
 
 def test_served_model_scores_like_the_library_and_carries_its_report(registered, tmp_path):
-    served = serving.load_served_model("models:/anchor-rm-helpful@champion", tmp_path / "dl")
+    served = load_served_model("models:/anchor-rm-helpful@champion", tmp_path / "dl")
     assert (served.registered_name, served.version, served.alias) == ("anchor-rm-helpful", "1", "champion")
     assert served.ref.model_dump() == {"name": "anchor-rm-helpful", "version": "1"}
     info = served.describe()
@@ -328,8 +331,8 @@ def test_served_model_scores_like_the_library_and_carries_its_report(registered,
 
 
 def test_a_reward_does_not_depend_on_its_batch(registered, tmp_path):
-    served = serving.load_served_model("models:/anchor-rm-helpful/1", tmp_path / "dl")
-    assert served.alias is None and serving.target_version("models:/anchor-rm-helpful/1") is None
+    served = load_served_model("models:/anchor-rm-helpful/1", tmp_path / "dl")
+    assert served.alias is None and target_version("models:/anchor-rm-helpful/1") is None
     alone = served.score(["What is 2+2?"], ["4"]).rewards[0]
     prompts = ["long " * 50, "What is 2+2?", "x", "Tell me a story about a cat."]
     responses = ["y " * 40, "4", "z", "Once upon a time a cat sat."]
@@ -338,10 +341,10 @@ def test_a_reward_does_not_depend_on_its_batch(registered, tmp_path):
 
 
 def test_target_version_follows_the_alias(registered, tmp_path):
-    assert serving.target_version("models:/anchor-rm-helpful@champion") == "1"
-    assert serving.target_version("models:/anchor-rm-helpful/latest") == "2"
-    assert serving.target_version(str(registered["1"])) is None
-    holder = serving.ModelHolder("models:/anchor-rm-helpful@champion", tmp_path / "dl")
+    assert target_version("models:/anchor-rm-helpful@champion") == "1"
+    assert target_version("models:/anchor-rm-helpful/latest") == "2"
+    assert target_version(str(registered["1"])) is None
+    holder = ModelHolder("models:/anchor-rm-helpful@champion", tmp_path / "dl")
     holder.load()
     first = holder.current
     MlflowClient().set_registered_model_alias("anchor-rm-helpful", "champion", "2")
@@ -353,7 +356,7 @@ def test_target_version_follows_the_alias(registered, tmp_path):
 
 
 def test_a_folder_uri_serves_without_registry_details(registered, tmp_path):
-    served = serving.load_served_model(str(registered["1"]), tmp_path / "dl")
+    served = load_served_model(str(registered["1"]), tmp_path / "dl")
     assert served.version is None and served.registered_name is None
     assert served.ref.name == str(registered["1"]) and served.report is None
     assert "no evaluation report" in served.report_error
@@ -367,11 +370,11 @@ def test_in_fresh_thread_returns_raises_and_leaves_no_thread():
         ran_on.append(threading.get_ident())
         return x * 2
 
-    assert serving.in_fresh_thread(work, 21) == 42
+    assert in_fresh_thread(work, 21) == 42
     assert ran_on and ran_on[0] != caller
     assert not [t for t in threading.enumerate() if t.name == "anchor-rm-load"]
     with pytest.raises(KeyError, match="missing"):
-        serving.in_fresh_thread(lambda: {}["missing"])
+        in_fresh_thread(lambda: {}["missing"])
 
 
 def test_forward_batch_size_is_a_positive_setting():
