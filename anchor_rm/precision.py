@@ -60,20 +60,25 @@ def cpu_bf16_flags() -> list[str] | None:
 
 
 @functools.cache
-def bf16_matmul_slowdown(size: int = 256, repeats: int = 3) -> float:
-    """bf16 time over fp32 time of one size x size CPU matmul here (best of `repeats`): below 1 means bf16
-    is faster. About 0.25 on a CPU with AVX512-BF16, about 70 on an AVX2-only one (~40 ms per bf16 call)."""
-    def best(dtype) -> float:
-        a, b = torch.randn(size, size, dtype=dtype), torch.randn(size, size, dtype=dtype)
+def bf16_matmul_slowdown(size: int = 256, repeats: int = 10) -> float:
+    """bf16 time over fp32 time of one size x size CPU matmul here (best of `repeats` each): below 1 means bf16
+    is faster. About 0.25 on a CPU with AVX512-BF16, about 70 on an AVX2-only one (~40 ms per bf16 call).
+
+    The two are timed in alternation and each keeps its fastest call, so that other processes taking the
+    CPU meanwhile (a test suite, a study) slow both alike and cannot flip the decision: with 3 calls each,
+    timed one dtype after the other, a loaded 2-core machine once read bf16 as slower and `auto` chose fp32
+    in one process and bf16 in another."""
+    pairs = {dtype: (torch.randn(size, size, dtype=dtype), torch.randn(size, size, dtype=dtype))
+             for dtype in (torch.float32, torch.bfloat16)}
+    best = {dtype: float("inf") for dtype in pairs}
+    for a, b in pairs.values():
         a @ b  # the first call pays one-off kernel selection
-        times = []
-        for _ in range(repeats):
+    for _ in range(repeats):
+        for dtype, (a, b) in pairs.items():
             started = time.perf_counter()
             a @ b
-            times.append(time.perf_counter() - started)
-        return min(times)
-
-    return best(torch.bfloat16) / max(best(torch.float32), 1e-9)
+            best[dtype] = min(best[dtype], time.perf_counter() - started)
+    return best[torch.bfloat16] / max(best[torch.float32], 1e-9)
 
 
 def describe_hardware(device_type: str = "cpu") -> str:
