@@ -20,7 +20,8 @@ import numpy as np
 from anchor_rm.catalog import dataset_digest
 from anchor_rm.config import ProtocolConfig
 from anchor_rm.metrics import signal_targets, transfer_metrics
-from anchor_rm.report import EvaluationReport, build_report, write_report
+from anchor_rm.report import EvaluationReport, build_report
+from anchor_rm.report_files import write_report
 from anchor_rm.splits import ProtocolSplits, build_protocol_splits
 from anchor_rm.tracking import StageRun, artifact_writes, cache_key, log_json, metric_name, stage_run
 from anchor_rm.training import StepLog, TrainConfig

@@ -20,7 +20,8 @@ from mlflow.models import ModelSignature
 from mlflow.tracking import MlflowClient
 from mlflow.types import ColSpec, Schema
 
-from anchor_rm.report import EvaluationReport, read_report, write_report
+from anchor_rm.report import EvaluationReport
+from anchor_rm.report_files import read_report, write_report
 from anchor_rm.tracking import artifact_writes
 
 log = logging.getLogger("anchor_rm")

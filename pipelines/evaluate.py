@@ -103,7 +103,7 @@ def evaluate(args) -> int:
     from mlflow.exceptions import MlflowException
 
     from anchor_rm import evaluation as ev
-    from anchor_rm.report import report_to_markdown, write_report
+    from anchor_rm.report_files import report_to_markdown, write_report
     from anchor_rm.tracking import configure, resolve_tracking_uri
     from anchor_rm.precision import resolve_precision
     from anchor_rm.workflow import load_saved

@@ -91,7 +91,7 @@ def main(argv=None) -> int:
     setup_logging(args.verbose)
     with clean_errors():
         from anchor_rm.experiment import prepare_shared, run_student
-        from anchor_rm.report import report_to_markdown
+        from anchor_rm.report_files import report_to_markdown
         from anchor_rm.tracking import configure, resolve_tracking_uri
 
         cfg = config_from_args(args)

@@ -130,7 +130,7 @@ def run(args) -> int:
 
     from anchor_rm.experiment import log_report, prepare_shared
     from anchor_rm.registry import default_model_name, log_and_register
-    from anchor_rm.report import report_to_markdown
+    from anchor_rm.report_files import report_to_markdown
     from anchor_rm.tracking import configure, resolve_tracking_uri
     from tuning.final import checkpoint_folder, comparison_table, evaluate_outcome, nts_lambda_chart, outcomes_json
     from tuning.search import best_trial, init_ray, run_search

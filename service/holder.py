@@ -76,7 +76,7 @@ def _find_report(folder: Path) -> Path | None:
 
 def _load_report(folder: Path, registered_name: str | None, version: str | None) -> tuple[dict | None, str | None]:
     """(report.json as a dict, None) or (None, why there is none). The report is validated on the way."""
-    from anchor_rm.report import read_report
+    from anchor_rm.report_files import read_report
 
     path = _find_report(folder)
     try:

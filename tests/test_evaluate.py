@@ -203,7 +203,7 @@ def test_registered_alias_gets_teacher_columns_and_an_evaluation_run(store, tmp_
 # The command line in this process.
 
 def test_local_folder_on_a_jsonl_file(student_folder, tmp_path, capsys):
-    from anchor_rm.report import read_report
+    from anchor_rm.report_files import read_report
 
     # Two more lines: an exact repeat and a pair with identical responses; cleaning drops and counts both.
     first = json.loads(write_pairs(tmp_path / "x.jsonl", 1).read_text())
@@ -327,7 +327,7 @@ def test_argument_mistakes(student_folder, tmp_path, capsys):
 
 def test_score_sets_marks_the_id_set_and_matches_evaluate_pairs(tiny_bert, minilm_tokenizer, tmp_path):
     from anchor_rm.evaluation import evaluation_report, load_evaluation_set, score_sets
-    from anchor_rm.report import read_report, write_report
+    from anchor_rm.report_files import read_report, write_report
     from anchor_rm.workflow import evaluate_pairs
 
     student = reward_model(tiny_bert(0), minilm_tokenizer, "s")

@@ -7,20 +7,17 @@ import re
 
 import pytest
 
-from anchor_rm import report as report_module
+from anchor_rm import report_files
 from anchor_rm.report import (
     EvaluationReport,
     SplitResult,
     build_report,
     file_sha256,
     load_report_schema,
-    read_report,
     report_from_dict,
-    report_to_markdown,
-    report_to_png,
     validate_report_dict,
-    write_report,
 )
+from anchor_rm.report_files import read_report, report_to_markdown, report_to_png, write_report
 
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
 DIGEST = "a" * 64
@@ -221,7 +218,7 @@ def test_failed_write_leaves_no_temp_files(tmp_path, monkeypatch):
     def failing_replace(source, target):
         raise OSError("disk full")
 
-    monkeypatch.setattr(report_module.os, "replace", failing_replace)
+    monkeypatch.setattr(report_files.os, "replace", failing_replace)
     with pytest.raises(OSError, match="disk full"):
         write_report(example_report(), tmp_path)
     assert os.listdir(tmp_path) == []
@@ -231,7 +228,7 @@ def test_rendering_error_writes_nothing(tmp_path, monkeypatch):
     def failing_render(report):
         raise RuntimeError("no fonts")
 
-    monkeypatch.setattr(report_module, "_render_png", failing_render)
+    monkeypatch.setattr(report_files, "_render_png", failing_render)
     with pytest.raises(RuntimeError):
         write_report(example_report(), tmp_path)
     assert os.listdir(tmp_path) == []
