@@ -99,7 +99,7 @@ def main(argv=None) -> int:
     with clean_errors():
         from mlflow.exceptions import MlflowException
 
-        from anchor_rm import promotion
+        from anchor_rm import promotion, promotion_text
         from anchor_rm.registry import default_model_name
 
         name = args.name or default_model_name(args.category)
@@ -108,20 +108,20 @@ def main(argv=None) -> int:
             print(f"tracking store: {uri}")
             if args.rollback:
                 result = promotion.rollback(name, dry_run=args.dry_run, settle_seconds=args.settle_seconds)
-                print(promotion.format_rollback(result))
-                return promotion.exit_code(result.status)
+                print(promotion_text.format_rollback(result))
+                return promotion_text.exit_code(result.status)
             decision = promotion.decide(name, args.version, max_id_drop=args.max_id_drop)
-            print(promotion.format_decision(decision))
+            print(promotion_text.format_decision(decision))
             print()
             if args.dry_run:
                 result = promotion.preview(decision, force=args.force)
             else:
                 result = promotion.apply_promotion(decision, force=args.force, settle_seconds=args.settle_seconds)
             if result.decision is not decision:  # the champion moved before writing: show the new comparison
-                print(promotion.format_decision(result.decision))
+                print(promotion_text.format_decision(result.decision))
                 print()
-            print(promotion.format_result(result))
-            return promotion.exit_code(result.status)
+            print(promotion_text.format_result(result))
+            return promotion_text.exit_code(result.status)
         except MlflowException as exc:  # an unreachable server or a store error: one line, not a traceback
             if os.environ.get("ANCHOR_RM_DEBUG"):
                 raise

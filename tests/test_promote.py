@@ -11,7 +11,7 @@ import mlflow
 import pytest
 from mlflow.tracking import MlflowClient
 
-from anchor_rm import promotion, registry
+from anchor_rm import promotion, promotion_text, registry
 from anchor_rm.encoding import RewardEncoder
 from anchor_rm.report import SplitResult, build_report
 from anchor_rm.tracking import configure
@@ -132,7 +132,7 @@ def test_first_promotion_needs_a_report_and_the_id_gate(register):
     assert [g.name for g in result.decision.gates] == ["validation rows", "ID accuracy (val)"]
     assert aliases() == {"challenger": v1, "champion": v1}
     assert tags(v1)["promoted_from"] == "none" and "promoted_at" in tags(v1)
-    assert "no champion yet" in promotion.format_decision(result.decision)
+    assert "no champion yet" in promotion_text.format_decision(result.decision)
     assert promote().status == "already-champion"
 
 
@@ -145,7 +145,7 @@ def test_better_challenger_replaces_the_champion_and_keeps_it_reachable(register
     assert aliases() == {"challenger": v2, "champion": v2, "previous-champion": v1}
     assert tags(v2)["promoted_from"] == v1
     assert all_versions() == [v1, v2]
-    text = promotion.format_decision(result.decision)
+    text = promotion_text.format_decision(result.decision)
     assert "PASS  mean OOD NTS (val): +5.00 >= +4.00" in text and "PASS  validation splits" in text
 
 
@@ -230,7 +230,7 @@ def test_force_promotes_past_failed_gates_and_says_which(register):
     result = promote(force=True)
     assert result.status == "promoted" and result.forced
     assert aliases() == {"challenger": v2, "champion": v2, "previous-champion": v1}
-    text = promotion.format_result(result)
+    text = promotion_text.format_result(result)
     assert "--force: promoting despite failed gates: mean OOD NTS (val), ID accuracy (val)" in text
     assert tags(v2)["promotion_forced"] == "mean OOD NTS (val); ID accuracy (val)"
 
@@ -329,8 +329,8 @@ def test_a_write_after_ours_is_detected_and_reported(register):
     stalled = lambda seconds: MlflowClient().set_registered_model_alias(NAME, "champion", v3)  # noqa: E731
     result = promote(v2, sleep=stalled)
     assert result.status == "lost-race" and result.champion == v3
-    assert promotion.exit_code(result.status) == 3
-    assert f"outcome: lost race: {NAME} v{v2} is not champion (champion v{v3}" in promotion.format_result(result)
+    assert promotion_text.exit_code(result.status) == 3
+    assert f"outcome: lost race: {NAME} v{v2} is not champion (champion v{v3}" in promotion_text.format_result(result)
     assert "promoted_at" not in tags(v2)
     # A promotion during our settle period is judged against our version, then supersedes it.
     v4 = register(make_report(ood=(59.0, 57.0)))
@@ -402,5 +402,5 @@ def test_two_promotion_threads_racing(register, first):
         for thread in threads:
             thread.join(timeout=120)
         assert not errors, errors
-        _assert_consistent({v: promotion.exit_code(r.status) for v, r in results.items()},
-                           {v: promotion.format_result(r) for v, r in results.items()}, name)
+        _assert_consistent({v: promotion_text.exit_code(r.status) for v, r in results.items()},
+                           {v: promotion_text.format_result(r) for v, r in results.items()}, name)
