@@ -32,7 +32,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from _common import Disturbance, machine, markdown_table, median, peak_rss_mb, positive_int, source_splits
+from bench_common import Disturbance, machine, markdown_table, median, peak_rss_mb, positive_int, source_splits
 
 # variant -> (method, layer choice, cached)
 VARIANTS = {

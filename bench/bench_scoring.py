@@ -19,7 +19,7 @@ import sys
 import time
 from pathlib import Path
 
-from _common import machine, markdown_table, median, positive_int, source_splits
+from bench_common import machine, markdown_table, median, positive_int, source_splits
 
 
 def parse_args(argv=None) -> argparse.Namespace:

@@ -6,7 +6,7 @@ transformers loop (tokenizer + AutoModelForSequenceClassification, one pair at a
 precision the service resolved `--precision` to. Every setup first scores every pair once (warm-up). Then,
 `--repeats` times, interleaved: the plain loop, and /score driven by 1, 8 and 32 concurrent clients on each
 server, each cell for a fixed time. Prints every repeat, with how much CPU other processes took meanwhile
-(the servers and the clients excepted; more than 10%: "disturbed", bench/_common.Disturbance), then the
+(the servers and the clients excepted; more than 10%: "disturbed", bench/bench_common.Disturbance), then the
 medians of the undisturbed repeats and each over the plain loop's median.
 
     .venv/bin/python bench/bench_service.py                       # MiniLM-L6, max length 192, 3 x 10 s per cell (~5 min)
@@ -33,7 +33,7 @@ import time
 import urllib.request
 from pathlib import Path
 
-from _common import Disturbance, median
+from bench_common import Disturbance, median
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
@@ -255,7 +255,7 @@ class PlainLoop:
 
 def machine() -> str:
     import bentoml
-    from _common import machine as host
+    from bench_common import machine as host
 
     return f"{host()}, bentoml {bentoml.__version__}"
 

@@ -22,7 +22,7 @@ very token sequences our encoder makes (prompt cut from the left, text pair with
     .venv/bin/python bench/bench_trl.py --trainers ours-hard,trl --seeds 0,1,2   # speed and accuracy over 3 seeds
 
 A seed fixes the splits, the teacher, the fresh head and the batch order. Every (seed, repeat, trainer) is
-shown; one during which other processes took more than 10% of the CPU (bench/_common.Disturbance, a rule
+shown; one during which other processes took more than 10% of the CPU (bench/bench_common.Disturbance, a rule
 fixed before the run) is marked and left out of the pairs/s medians; accuracies are kept (they do not
 depend on load).
     .venv/bin/python bench/bench_trl.py --train-pairs 32 --test-pairs 32 --epochs 1 --max-length 64 --labels gold
@@ -39,7 +39,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from _common import Disturbance, machine, markdown_table, positive_int, source_splits
+from bench_common import Disturbance, machine, markdown_table, positive_int, source_splits
 
 TRAINERS = ("ours-soft", "ours-hard", "ours-random", "ours-unfused", "trl", "trl-grouped", "ours-soft-fp32")
 DEFAULT_TRAINERS = TRAINERS[:-1]

@@ -129,7 +129,7 @@ def start_service(uri: str, workdir: Path, port: int, poll_seconds: float = 5.0)
 
 def tree_rss_mb(pid: int) -> float:
     """Resident memory of `pid` and all its descendants (bentoml serve, its arbiter and its workers), MB."""
-    from _common import process_tree
+    from bench_common import process_tree
 
     rss_kb = 0
     for member in process_tree(pid):

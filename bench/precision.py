@@ -9,7 +9,7 @@ Three parts, each in the same run so that ratios are taken on the same machine s
     smoke   `pipelines/train.py --preset smoke` end to end with --precision auto, fp32 and bf16, each in a
             fresh folder with a fresh MLflow store (no stage reused); the order rotates between repeats
 
-Every repeat is shown. The rule for a disturbed repeat is fixed before the run (bench/_common.Disturbance):
+Every repeat is shown. The rule for a disturbed repeat is fixed before the run (bench/bench_common.Disturbance):
 if other processes took more than 10% of the machine's CPU while it ran, it is marked "disturbed" and left
 out of the medians.
 
@@ -34,7 +34,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from _common import ROOT, Disturbance, machine, markdown_table, median, positive_int
+from bench_common import ROOT, Disturbance, machine, markdown_table, median, positive_int
 
 PARTS = ("matmul", "step", "smoke")
 

@@ -20,7 +20,7 @@ import sys
 import time
 from pathlib import Path
 
-from _common import machine, markdown_table
+from bench_common import machine, markdown_table
 
 
 def parse_args(argv=None) -> argparse.Namespace:

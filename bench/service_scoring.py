@@ -26,7 +26,7 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
-from _common import ROOT, Disturbance, machine, markdown_table
+from bench_common import ROOT, Disturbance, machine, markdown_table
 
 VARIANTS = {
     "loading thread": "scored on the thread that loaded the model",
