@@ -322,9 +322,9 @@ def write_study_report(instances: list[dict], out: str | Path) -> list[Path]:
         lines += [f"### {cat}: per OOD target (AOG and NTS, points)", ""] + target_table(rows, first["targets"]) + [""]
         lines += [f"### {cat}: the primary comparison (fixed before the run)", "",
                   f"{PRIMARY[0]} minus {PRIMARY[1]}, test mean OOD NTS over the headline targets "
-                  f"(each seed's; seed {first['seed']}: {', '.join(first.get('headline_targets') or first['targets'])}), paired by "
-                  "seed, 95% t interval "
-                  "with n - 1 degrees of freedom; then per seed a paired bootstrap over test pairs.", ""]
+                  f"(each seed's; seed {first['seed']}: {', '.join(first.get('headline_targets') or first['targets'])}), "
+                  "paired by seed, 95% t interval with n - 1 degrees of freedom; then per seed a paired bootstrap "
+                  "over test pairs.", ""]
         lines += primary_comparison(insts, rows) + [""]
         lines += [f"### {cat}: paired comparisons (per seed, same splits and teacher)", ""]
         anchor_rows = [label for label, _, _ in rows if label.startswith("ANCHOR") and "tuned" in label]

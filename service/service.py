@@ -65,9 +65,9 @@ class RewardService:
         self._own_root = not SETTINGS.download_dir
         self._root = Path(SETTINGS.download_dir) if SETTINGS.download_dir else holder.default_download_root()
         self.limits = SETTINGS.limits()
-        self.holder = holder.ModelHolder(SETTINGS.model_uri, self._root,
-                                          loader=functools.partial(holder.load_served_model, batch_size=SETTINGS.forward_batch_size,
-                                                                           precision=SETTINGS.precision))
+        loader = functools.partial(holder.load_served_model, batch_size=SETTINGS.forward_batch_size,
+                                   precision=SETTINGS.precision)
+        self.holder = holder.ModelHolder(SETTINGS.model_uri, self._root, loader=loader)
         self.holder.load()
         self.holder.start_polling(SETTINGS.poll_seconds)
         self.batcher = ScoreBatcher(self._score_batch, max_batch_size=SETTINGS.max_batch_size,
