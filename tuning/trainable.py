@@ -30,6 +30,11 @@ log = logging.getLogger("anchor_rm")
 # SIGKILL itself when it finishes that training step, once (the marker file remembers), so that a test can
 # watch Ray Train restore the trial from its last checkpoint. Unset, nothing happens.
 KILL_WORKER_ENV = "ANCHOR_RM_TEST_KILL_WORKER_AT"
+# Ray Train's controller collects a worker's reports (and so its checkpoints) when it polls the worker, every
+# RAY_TRAIN_HEALTH_CHECK_INTERVAL_S (2 s by default). A checkpoint reported but not yet collected dies with
+# the worker, and the restart begins from the one before. The hook waits two polls before it kills, so that
+# the test's kill always lands after the epoch's checkpoint is known (on a fast CPU steps 6-8 take under 2 s).
+_HEALTH_CHECK_INTERVAL_S = float(os.environ.get("RAY_TRAIN_HEALTH_CHECK_INTERVAL_S", "2.0"))
 
 
 def _kill_once_at(step: int) -> None:
@@ -43,6 +48,7 @@ def _kill_once_at(step: int) -> None:
         os.close(os.open(marker, os.O_CREAT | os.O_EXCL | os.O_WRONLY))  # atomic: only the first one dies
     except FileExistsError:
         return
+    time.sleep(2 * _HEALTH_CHECK_INTERVAL_S + 1)
     os.kill(os.getpid(), signal.SIGKILL)
 
 
