@@ -42,7 +42,7 @@ def test_smoke_run_is_fully_recorded_on_a_tracking_server(tmp_path):
         history = client.get_metric_history(student.info.run_id, "train/anchor_loss")
         # per step, and zero at step 0 up to the fp16 rounding of the cached reference states
         assert len(history) >= 6 and abs(history[0].value) < 1e-5
-        for key in ("val/mean_nts", "test/mean_nts", "test/wrg", "test/id_acc", "test/pgr"):
+        for key in ("val/mean_nts", "test/mean_nts", "test/wrg", "test/id_acc"):
             assert key in student.data.metrics, key
         artifacts = {f.path for f in client.list_artifacts(student.info.run_id)}
         assert {"model", "report", "data_digests.json"} <= artifacts
@@ -52,6 +52,12 @@ def test_smoke_run_is_fully_recorded_on_a_tracking_server(tmp_path):
         local = Path(mlflow.artifacts.download_artifacts(run_id=student.info.run_id, dst_path=str(tmp_path / "dl")))
         report = json.loads((local / "report" / "report.json").read_text())
         assert report["model"]["method"] == "anchor" and report["figure_splits"] == "test"
+        # PGR is logged whenever the report has one; it has none when the ceiling ties the teacher on ID test
+        # (the smoke set is small: in fp32 on an AVX2 CPU they tied), where the ratio is undefined.
+        if report["pgr"] is None:
+            assert "test/pgr" not in student.data.metrics
+        else:
+            assert student.data.metrics["test/pgr"] == pytest.approx(report["pgr"])
         # --precision auto was resolved once, in the driver: the run and the report say what ran.
         from anchor_rm.precision import resolve_precision
         assert student.data.params["train.precision"] == report["model"]["precision"] == resolve_precision("auto")
