@@ -107,12 +107,16 @@ def _study(category: str) -> ProtocolConfig:
 PRESETS = {"default": _protocol, "smoke": _smoke, "study": _study}
 
 
-def preset(name: str, category: str = "helpful") -> ProtocolConfig:
-    if name not in PRESETS:
-        raise ValueError(f"unknown preset {name!r}: choose one of {', '.join(PRESETS)}")
+def _from(presets: dict, name: str, category: str) -> ProtocolConfig:
+    if name not in presets:
+        raise ValueError(f"unknown preset {name!r}: choose one of {', '.join(presets)}")
     if category not in CATEGORIES:
         raise ValueError(f"category must be one of {', '.join(CATEGORIES)}, got {category!r}")
-    return PRESETS[name](category)
+    return presets[name](category)
+
+
+def preset(name: str, category: str = "helpful") -> ProtocolConfig:
+    return _from(PRESETS, name, category)
 
 
 # The main job (pipelines/tune.py) trains one student per trial: 2 baselines + TUNE_SAMPLES[preset] ANCHOR
@@ -130,8 +134,4 @@ TUNE_PRESETS = {"default": _protocol, "smoke": _tune_smoke}
 
 
 def tune_preset(name: str, category: str = "helpful") -> ProtocolConfig:
-    if name not in TUNE_PRESETS:
-        raise ValueError(f"unknown preset {name!r}: choose one of {', '.join(TUNE_PRESETS)}")
-    if category not in CATEGORIES:
-        raise ValueError(f"category must be one of {', '.join(CATEGORIES)}, got {category!r}")
-    return TUNE_PRESETS[name](category)
+    return _from(TUNE_PRESETS, name, category)

@@ -7,7 +7,7 @@ the champion does on data nothing chose it by. The test figures are shown beside
 
     report             it carries report/report.json with figures on the test splits  (--force cannot skip)
     validation rows    its report has validation rows (reports since 2026-12-01 do)
-    validation splits  on the same validation data as the champion's (registry.validation_splits_digest)
+    validation splits  on the same validation data as the champion's (report_summary.validation_splits_digest)
     mean OOD NTS (val) its validation mean NTS is not below the champion's    (no champion yet: does not apply)
     ID accuracy (val)  its validation ID accuracy is at most `max_id_drop` points below the weak teacher's
 
@@ -49,23 +49,17 @@ from dataclasses import dataclass
 from datetime import datetime, timezone
 from typing import Callable, Literal
 
-from mlflow.exceptions import MlflowException
-from mlflow.tracking import MlflowClient
-
-from anchor_rm import registry
+from anchor_rm.mlflow_edge import registry, store
+from anchor_rm.mlflow_edge.keys import (CHALLENGER, CHAMPION, PREVIOUS_CHAMPION, PROMOTED_AT_TAG, PROMOTED_FROM_TAG,
+                                        PROMOTION_FORCED_TAG, REPORT_JSON, ROLLED_BACK_AT_TAG, ROLLED_BACK_FROM_TAG)
 from anchor_rm.report import EvaluationReport
+from anchor_rm.report_summary import test_splits_digest, validation_splits_digest
 
 DEFAULT_MAX_ID_DROP = 2.0  # points
 DEFAULT_SETTLE_SECONDS = 1.0
 FIGURE_SPLITS = "test"
 # Accuracies are k/n*100 and NTS sums of them: a tie must pass, whatever the last bit says.
 _TOLERANCE = 1e-9
-
-PROMOTED_AT_TAG = "promoted_at"
-PROMOTED_FROM_TAG = "promoted_from"
-PROMOTION_FORCED_TAG = "promotion_forced"
-ROLLED_BACK_AT_TAG = "rolled_back_at"
-ROLLED_BACK_FROM_TAG = "rolled_back_from"
 
 Status = Literal["promoted", "would-promote", "refused", "would-refuse", "already-champion", "lost-race"]
 RollbackStatus = Literal["rolled-back", "would-roll-back", "lost-race"]
@@ -83,7 +77,7 @@ class VersionEvidence:
 
     @property
     def digest(self) -> str | None:
-        return None if self.report is None else registry.test_splits_digest(self.report)
+        return None if self.report is None else test_splits_digest(self.report)
 
 
 @dataclass(frozen=True)
@@ -155,7 +149,7 @@ def _champion_gates(candidate: EvaluationReport, champion: VersionEvidence) -> l
         return [Gate("champion report", False,
                      f"{label}'s report has no validation rows (registered before promotion compared validation "
                      "splits): nothing to compare against on validation; promote once with --force")]
-    our_digest, their_digest = registry.validation_splits_digest(candidate), registry.validation_splits_digest(theirs)
+    our_digest, their_digest = validation_splits_digest(candidate), validation_splits_digest(theirs)
     ours, their = candidate.validation["mean_nts"], theirs.validation["mean_nts"]
     if our_digest != their_digest:
         return [
@@ -198,32 +192,27 @@ def judge(
 # ---------------------------------------------------------------------------------------------------
 # Reading the registry.
 
-def _client() -> MlflowClient:
-    return MlflowClient()
-
-
 def read_aliases(name: str) -> dict[str, str]:
     """All aliases of `name` in one read: {alias: version}."""
     try:
-        model = _client().get_registered_model(name)
-    except MlflowException as exc:
-        if exc.error_code == "RESOURCE_DOES_NOT_EXIST":
+        return registry.read_aliases(name)
+    except store.TrackingError as exc:
+        if store.not_found(exc):
             raise PromotionInputError(f"no registered model named {name!r} in this tracking store") from None
         raise
-    return {alias: str(version) for alias, version in model.aliases.items()}
 
 
 def _check_version(name: str, version: str) -> None:
     if not str(version).isdigit():
         raise PromotionInputError(f"version must be a number like 3, got {version!r}")
     try:
-        mv = _client().get_model_version(name, str(version))
-    except MlflowException as exc:
-        if exc.error_code == "RESOURCE_DOES_NOT_EXIST":
+        status = registry.version_status(name, str(version))
+    except store.TrackingError as exc:
+        if store.not_found(exc):
             raise PromotionInputError(f"{name} has no version {version}") from None
         raise
-    if mv.status != "READY":
-        raise PromotionInputError(f"{name} version {version} is {mv.status}, not READY")
+    if status != "READY":
+        raise PromotionInputError(f"{name} version {version} is {status}, not READY")
 
 
 def _evidence(name: str, version: str) -> VersionEvidence:
@@ -238,7 +227,7 @@ def _candidate_evidence(name: str, version: str) -> VersionEvidence:
         raise PromotionInputError(f"{name} version {version}: its report is invalid: {exc}") from None
     if evidence.report is None:
         raise PromotionInputError(
-            f"{name} version {version} has no report ({registry.REPORT_JSON} in its run); only a version "
+            f"{name} version {version} has no report ({REPORT_JSON} in its run); only a version "
             f"registered with its evaluation report can be promoted"
         )
     if evidence.report.figure_splits != FIGURE_SPLITS:
@@ -266,25 +255,25 @@ def decide(name: str, version: str | None = None, *, max_id_drop: float = DEFAUL
     aliases = read_aliases(name)
     via_alias = None
     if version is None:
-        version = aliases.get(registry.CHALLENGER)
+        version = aliases.get(CHALLENGER)
         if version is None:
             raise PromotionInputError(
-                f"no version of {name} holds the alias {registry.CHALLENGER!r}; name one with --version"
+                f"no version of {name} holds the alias {CHALLENGER!r}; name one with --version"
             )
-        via_alias = registry.CHALLENGER
+        via_alias = CHALLENGER
     candidate = _candidate_evidence(name, str(version))
     return _judged(name, candidate, aliases, max_id_drop, via_alias)
 
 
 def _judged(name: str, candidate: VersionEvidence, aliases: dict[str, str], max_id_drop: float,
             via_alias: str | None) -> Decision:
-    champion_version = aliases.get(registry.CHAMPION)
+    champion_version = aliases.get(CHAMPION)
     if champion_version == candidate.version:
         champion = candidate
     else:
         champion = _champion_evidence(name, champion_version)
     gates = () if champion is candidate else judge(candidate.report, champion, max_id_drop)  # type: ignore[arg-type]
-    return Decision(name, candidate, champion, aliases.get(registry.PREVIOUS_CHAMPION), gates, max_id_drop, via_alias)
+    return Decision(name, candidate, champion, aliases.get(PREVIOUS_CHAMPION), gates, max_id_drop, via_alias)
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -301,21 +290,21 @@ def _write(action: Callable[[], object], attempts: int = 5) -> None:
         try:
             action()
             return
-        except MlflowException as exc:
+        except store.TrackingError as exc:
             if attempt == attempts - 1 or not any(text in str(exc).lower() for text in _WRITE_CONFLICT):
                 raise
             time.sleep(0.05 * (attempt + 1))
 
 
-def _set_alias(client: MlflowClient, name: str, alias: str, version: str) -> None:
-    _write(lambda: client.set_registered_model_alias(name, alias, version))
+def _set_alias(name: str, alias: str, version: str) -> None:
+    _write(lambda: registry.set_alias(name, alias, version))
 
 
-def _set_tag(client: MlflowClient, name: str, version: str, key: str, value: str) -> None:
-    _write(lambda: client.set_model_version_tag(name, version, key, value))
+def _set_tag(name: str, version: str, key: str, value: str) -> None:
+    _write(lambda: registry.set_version_tag(name, version, key, value))
 
 
-def _move_champion(client: MlflowClient, name: str, new: str, old: str | None, settle_seconds: float,
+def _move_champion(name: str, new: str, old: str | None, settle_seconds: float,
                    sleep: Callable[[float], None]) -> tuple[str | None, str | None]:
     """champion -> `new`, previous-champion -> `old`; then, after `settle_seconds`, the aliases as they
     stand (another writer may have moved them: MLflow has no compare-and-set for aliases).
@@ -323,11 +312,11 @@ def _move_champion(client: MlflowClient, name: str, new: str, old: str | None, s
     previous-champion first: a crash between the two writes leaves both on the old champion, not a
     previous-champion that names a version which never was champion."""
     if old is not None:
-        _set_alias(client, name, registry.PREVIOUS_CHAMPION, old)
-    _set_alias(client, name, registry.CHAMPION, new)
+        _set_alias(name, PREVIOUS_CHAMPION, old)
+    _set_alias(name, CHAMPION, new)
     sleep(settle_seconds)
     after = read_aliases(name)
-    return after.get(registry.CHAMPION), after.get(registry.PREVIOUS_CHAMPION)
+    return after.get(CHAMPION), after.get(PREVIOUS_CHAMPION)
 
 
 def _now() -> str:
@@ -354,7 +343,7 @@ def apply_promotion(
 
     notes: list[str] = []
     aliases = read_aliases(name)
-    current = aliases.get(registry.CHAMPION)
+    current = aliases.get(CHAMPION)
     if current != champion_of(decision):
         notes.append(
             f"champion moved from {version_label(champion_of(decision))} to {version_label(current)} while this promotion was "
@@ -367,8 +356,7 @@ def apply_promotion(
         if not decision.passed and not force:
             return PromotionResult("refused", decision, current, decision.previous_champion, notes=tuple(notes))
 
-    client = _client()
-    champion_after, previous_after = _move_champion(client, name, candidate, current, settle_seconds, sleep)
+    champion_after, previous_after = _move_champion(name, candidate, current, settle_seconds, sleep)
     if champion_after != candidate:
         notes.append(
             f"another promotion or rollback moved champion to {version_label(champion_after)} after this one set it to "
@@ -379,10 +367,10 @@ def apply_promotion(
         notes.append(f"previous-champion reads {version_label(previous_after)}, not {version_label(current)}: another promotion or "
                      f"rollback is writing at the same time")
 
-    _set_tag(client, name, candidate, PROMOTED_AT_TAG, _now())
-    _set_tag(client, name, candidate, PROMOTED_FROM_TAG, current or "none")
+    _set_tag(name, candidate, PROMOTED_AT_TAG, _now())
+    _set_tag(name, candidate, PROMOTED_FROM_TAG, current or "none")
     if force and not decision.passed:
-        _set_tag(client, name, candidate, PROMOTION_FORCED_TAG, "; ".join(g.name for g in decision.failed_gates))
+        _set_tag(name, candidate, PROMOTION_FORCED_TAG, "; ".join(g.name for g in decision.failed_gates))
     return PromotionResult("promoted", decision, champion_after, previous_after, force, tuple(notes))
 
 
@@ -422,23 +410,22 @@ def rollback(
     """Point `champion` back at `previous-champion`, and `previous-champion` at the version rolled back
     from (so a second rollback undoes the first). No gates: a rollback restores a state that was live."""
     aliases = read_aliases(name)
-    current, previous = aliases.get(registry.CHAMPION), aliases.get(registry.PREVIOUS_CHAMPION)
+    current, previous = aliases.get(CHAMPION), aliases.get(PREVIOUS_CHAMPION)
     if previous is None:
-        raise PromotionInputError(f"{name} has no {registry.PREVIOUS_CHAMPION!r} alias: nothing to roll back to")
+        raise PromotionInputError(f"{name} has no {PREVIOUS_CHAMPION!r} alias: nothing to roll back to")
     if previous == current:
         raise PromotionInputError(
             f"champion and previous-champion of {name} both name v{current}: nothing to roll back"
         )
     if dry_run:
         return RollbackResult("would-roll-back", name, current, previous, current, previous)
-    client = _client()
-    champion_after, previous_after = _move_champion(client, name, previous, current, settle_seconds, sleep)
+    champion_after, previous_after = _move_champion(name, previous, current, settle_seconds, sleep)
     if champion_after != previous:
         note = (f"another promotion or rollback moved champion to {version_label(champion_after)} after this rollback set it "
                 f"to v{previous}: the rollback did not stick")
         return RollbackResult("lost-race", name, current, previous, champion_after, previous_after, (note,))
-    _set_tag(client, name, previous, ROLLED_BACK_AT_TAG, _now())
-    _set_tag(client, name, previous, ROLLED_BACK_FROM_TAG, current or "none")
+    _set_tag(name, previous, ROLLED_BACK_AT_TAG, _now())
+    _set_tag(name, previous, ROLLED_BACK_FROM_TAG, current or "none")
     return RollbackResult("rolled-back", name, current, previous, champion_after, previous_after)
 
 

@@ -3,7 +3,7 @@ outcome, and the exit status (anchor_rm/promotion.py decides; this module only s
 
 from __future__ import annotations
 
-from anchor_rm import registry
+from anchor_rm.report_summary import validation_splits_digest
 from anchor_rm.promotion import (Decision, PromotionResult, RollbackResult, VersionEvidence, champion_of,
                                  version_label)
 
@@ -26,7 +26,7 @@ def _figures(evidence: VersionEvidence | None) -> list[dict[str, str]]:
         {f"n pairs {row.dataset} ({row.role}, {row.split})": str(row.n_pairs)
          for row in [*(report.validation_splits or []), *report.splits]},
         {"method": str(report.model.get("method")),
-         "validation splits digest": registry.validation_splits_digest(report) or "-",
+         "validation splits digest": validation_splits_digest(report) or "-",
          "test splits digest": evidence.digest or "-"},
     ]
 
@@ -63,6 +63,10 @@ def format_decision(decision: Decision) -> str:
     return "\n".join(lines)
 
 
+def _aliases(result: PromotionResult | RollbackResult) -> str:
+    return f"(champion {version_label(result.champion)}, previous-champion {version_label(result.previous_champion)})"
+
+
 def format_result(result: PromotionResult) -> str:
     """What happened, ending with one `outcome:` line."""
     decision = result.decision
@@ -71,31 +75,26 @@ def format_result(result: PromotionResult) -> str:
     failed = ", ".join(gate.name for gate in decision.failed_gates)
     if result.forced and failed and result.status in ("promoted", "would-promote", "lost-race"):
         lines.append(f"--force: promoting despite failed gates: {failed}")
-    aliases = f"(champion {version_label(result.champion)}, previous-champion {version_label(result.previous_champion)})"
-    outcome = {
-        "promoted": f"promoted {name} v{candidate} {aliases}",
-        "would-promote": f"dry run: would promote {name} v{candidate}; nothing moved {aliases}",
-        "refused": f"refused {name} v{candidate}: failed {failed}; nothing moved {aliases}",
-        "would-refuse": f"dry run: would refuse {name} v{candidate}: failed {failed}; nothing moved {aliases}",
-        "already-champion": f"{name} v{candidate} already holds champion; nothing moved {aliases}",
-        "lost-race": f"lost race: {name} v{candidate} is not champion {aliases}",
-    }[result.status]
-    lines.append(f"outcome: {outcome}")
-    return "\n".join(lines)
+    outcomes = {
+        "promoted": f"promoted {name} v{candidate}",
+        "would-promote": f"dry run: would promote {name} v{candidate}; nothing moved",
+        "refused": f"refused {name} v{candidate}: failed {failed}; nothing moved",
+        "would-refuse": f"dry run: would refuse {name} v{candidate}: failed {failed}; nothing moved",
+        "already-champion": f"{name} v{candidate} already holds champion; nothing moved",
+        "lost-race": f"lost race: {name} v{candidate} is not champion",
+    }
+    return "\n".join([*lines, f"outcome: {outcomes[result.status]} {_aliases(result)}"])
 
 
 def format_rollback(result: RollbackResult) -> str:
-    lines = [f"note: {note}" for note in result.notes]
-    aliases = f"(champion {version_label(result.champion)}, previous-champion {version_label(result.previous_champion)})"
     old = version_label(result.rolled_back_from)
     move = f"champion {old} -> v{result.rolled_back_to}; previous-champion -> {old}"
-    outcome = {
-        "rolled-back": f"rolled back {result.name}: {move} {aliases}",
-        "would-roll-back": f"dry run: would roll back {result.name}: {move}; nothing moved {aliases}",
-        "lost-race": f"lost race: {result.name} champion is not v{result.rolled_back_to} {aliases}",
-    }[result.status]
-    lines.append(f"outcome: {outcome}")
-    return "\n".join(lines)
+    outcomes = {
+        "rolled-back": f"rolled back {result.name}: {move}",
+        "would-roll-back": f"dry run: would roll back {result.name}: {move}; nothing moved",
+        "lost-race": f"lost race: {result.name} champion is not v{result.rolled_back_to}",
+    }
+    return "\n".join([*(f"note: {note}" for note in result.notes), f"outcome: {outcomes[result.status]} {_aliases(result)}"])
 
 
 def exit_code(status: str) -> int:

@@ -14,19 +14,19 @@ import time
 from dataclasses import asdict, dataclass, field
 from typing import Callable
 
-import mlflow
-
 from anchor_rm.config import ProtocolConfig, preset
 from anchor_rm.drift import evaluate_with_drift, evaluation_reference
-from anchor_rm.experiment import STAGE_VERSION, SharedStages, prepare_shared, step_logger, validation_metrics
+from anchor_rm.experiment import STAGE_VERSION, SharedStages, prepare_shared
 from anchor_rm.losses import resolve_anchor_layers
 from anchor_rm.metrics import transfer_metrics
 from anchor_rm.precision import resolve_precision
+from anchor_rm.mlflow_edge import keys, runs
+from anchor_rm.mlflow_edge.keys import cache_key, metric_name
+from anchor_rm.mlflow_edge.runs import ActiveRunSink, stage_run
 from anchor_rm.reference_cache import ReferenceStates
-from anchor_rm.tracking import cache_key, metric_name, stage_run
+from anchor_rm.student import train_student
 from anchor_rm.training import TrainConfig
-from anchor_rm.workflow import (evaluate_model, evaluation_sets, frozen_reference, load_pretrained, reference_states,
-                                scores_to_dict, train_on_pairs)
+from anchor_rm.workflow import evaluation_sets, frozen_reference, load_pretrained, reference_states, scores_to_dict
 
 log = logging.getLogger("anchor_rm")
 
@@ -125,26 +125,24 @@ def _train_and_measure(cfg: ProtocolConfig, shared: SharedStages, tc: TrainConfi
     depth = rm.model.config.num_hidden_layers
     layer_sets = {choice: resolve_anchor_layers(choice, depth) for choice in DRIFT_LAYERS}
     reference = refs.train(rm) if tc.uses_anchor else None
-    result, encoded = train_on_pairs(rm, shared.splits.student_train, shared.soft_labels, tc, reference=reference,
-                                     on_step=step_logger())
-    val = evaluate_model(rm, shared.splits, "val", cfg.eval_batch_size, precision=cfg.precision)
-    mlflow.log_metrics(validation_metrics(shared.splits.source, shared.teacher_scores("val"), val,
-                                          shared.headline_targets))
+    trained = train_student(rm, shared.splits.student_train, shared.soft_labels, tc, ActiveRunSink(), reference=reference)
+    val, val_metrics = shared.validation(cfg.eval_batch_size, cfg.precision).measure(rm)  # once, after training
+    runs.log_metrics(val_metrics)
     eval_refs = refs.evaluation(rm, sorted({layer for layers in layer_sets.values() for layer in layers}))
     test, drift = {}, {}
     for name, _, pairs in evaluation_sets(shared.splits, "test"):
         test[name], by_layers = evaluate_with_drift(rm, pairs, eval_refs[name], layer_sets,
                                                     batch_size=cfg.eval_batch_size, precision=cfg.precision)
         drift[name] = {choice: asdict(d) for choice, d in by_layers.items()}
-        mlflow.log_metrics({f"test/acc/{metric_name(name)}": test[name].accuracy,
+        runs.log_metrics({f"test/acc/{metric_name(name)}": test[name].accuracy,
                             **{f"drift/{choice}/msd/{metric_name(name)}": d.msd for choice, d in by_layers.items()},
                             **{f"drift/{choice}/cosine/{metric_name(name)}": d.cosine for choice, d in by_layers.items()}})
     teacher_test = shared.teacher_scores("test")
     tm = transfer_metrics({k: v.accuracy for k, v in teacher_test.items()}, {k: v.accuracy for k, v in test.items()},
                           shared.splits.source, headline_targets=shared.headline_targets)
-    mlflow.log_metrics({"test/wrg": tm.wrg, "test/mean_nts": tm.mean_nts, "train/seconds": result.seconds,
-                        "train/pairs": len(encoded)})
-    return {"val": scores_to_dict(val), "test": scores_to_dict(test), "drift": drift, "train_seconds": result.seconds}
+    runs.log_metrics({"test/wrg": tm.wrg, "test/mean_nts": tm.mean_nts})
+    return {"val": scores_to_dict(val), "test": scores_to_dict(test), "drift": drift,
+            "train_seconds": trained.result.seconds}
 
 
 @dataclass
@@ -178,8 +176,8 @@ def run_instance(study: StudyConfig, category: str, seed: int, experiment_id: st
         label = f"{category} seed {seed} {setting_label(tc)}"
         key = cache_key(STAGE_VERSION, STUDENT_STAGE, shared.data.outputs["digests"], shared.teacher.run_id,
                         cfg.teacher_train.to_dict(), tc.to_dict(), cfg.eval_batch_size, cfg.precision, DRIFT_LAYERS)
-        tags = {"anchor_rm.category": category, "anchor_rm.seed": str(seed), "anchor_rm.method": tc.method,
-                "anchor_rm.setting": setting_label(tc), **shared.tags()}
+        tags = {keys.CATEGORY_TAG: category, keys.SEED_TAG: str(seed), keys.METHOD_TAG: tc.method,
+                keys.SETTING_TAG: setting_label(tc), **shared.tags()}
         started = time.time()
         run = stage_run(experiment_id, STUDENT_STAGE, key, lambda: _train_and_measure(cfg, shared, tc, refs),
                         params={"category": category, "seed": seed, "student": cfg.student, "teacher": cfg.teacher,

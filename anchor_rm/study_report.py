@@ -14,7 +14,7 @@ from typing import Callable, Sequence
 
 import numpy as np
 
-from anchor_rm.experiment import validation_metrics
+from anchor_rm.mlflow_edge.keys import validation_metrics
 from anchor_rm.metrics import transfer_metrics
 from anchor_rm.workflow import scores_from_dict
 

@@ -7,6 +7,7 @@ import os
 import platform
 import resource
 import statistics
+import subprocess
 import sys
 import time
 from pathlib import Path
@@ -28,6 +29,12 @@ def machine() -> str:
     gpu = torch.cuda.get_device_name(0) if torch.cuda.is_available() else "no GPU"
     return (f"{os.cpu_count()} cores ({describe_hardware('cpu')}), {gpu}, Python {platform.python_version()}, torch {torch.__version__} "
             f"({torch.get_num_threads()} threads)")
+
+
+def service_machine() -> str:
+    import bentoml
+
+    return f"{machine()}, bentoml {bentoml.__version__}"
 
 
 def peak_rss_mb() -> float:
@@ -137,3 +144,116 @@ class Disturbance:
         self.fraction = max(0.0, others) / max(wall * (os.cpu_count() or 1), 1e-9)
         self.disturbed = self.fraction > self.DISTURBED
         return False
+
+
+# ---------------------------------------------------------------------------------------------------
+# A registered model and a `bentoml serve` process, for the service benchmarks (bench_service, load_service).
+
+def free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def bench_reward_model(model: str, max_length: int, seed: int):
+    """`tiny` (a 2-layer, 32-wide BERT on MiniLM's vocabulary, random) or a pretrained model with a fresh head."""
+    from anchor_rm.workflow import load_pretrained
+
+    if model != "tiny":
+        return load_pretrained(model, max_length, seed=seed)
+    import torch
+    from transformers import BertConfig, BertForSequenceClassification
+
+    from anchor_rm.encoding import RewardEncoder
+    from anchor_rm.models import load_tokenizer, resolve_model
+    from anchor_rm.workflow import RewardModel
+
+    tokenizer = load_tokenizer(resolve_model("minilm-l6"))
+    torch.manual_seed(seed)
+    config = BertConfig(vocab_size=tokenizer.vocab_size, hidden_size=32, num_hidden_layers=2, num_attention_heads=2,
+                        intermediate_size=64, num_labels=1, pad_token_id=tokenizer.pad_token_id)
+    return RewardModel(BertForSequenceClassification(config).eval(), tokenizer,
+                       RewardEncoder(tokenizer, max_length, decoder=False), "tiny-bert")
+
+
+def register_versions(workdir: Path, model: str, max_length: int, name: str, seeds: Sequence[int],
+                      experiment: str) -> tuple[str, dict[str, Path]]:
+    """One registered version per seed (its reward head's seed) in a SQLite store under workdir, with a
+    placeholder report; champion -> the first. Returns (tracking URI, {version: model folder})."""
+    from anchor_rm.mlflow_edge import registry, runs
+    from anchor_rm.mlflow_edge.store import configure
+    from anchor_rm.report import SplitResult, build_report
+    from anchor_rm.workflow import save_reward_model
+
+    uri = f"sqlite:///{workdir / 'mlflow.db'}"
+    configure(uri, experiment)
+    rows = [SplitResult("hh-helpful-base", "id", "test", 470, 60.0, 60.0, None, 0.0),
+            SplitResult("pandalm", "ood", "test", 300, 50.0, 50.0, None, 0.0)]
+    report = build_report({"name": name, "student": model, "teacher": "none", "method": "benchmark",
+                           "hyperparameters": {}}, rows, selection_splits="val", figure_splits="test",
+                          data_digests={"hh-helpful-base/id_test": "0" * 64, "pandalm/test": "1" * 64})
+    folders = {}
+    for seed in seeds:
+        folder = save_reward_model(bench_reward_model(model, max_length, seed), workdir / f"model{seed}")
+        with runs.start_run():
+            folders[registry.log_and_register(folder, report, name).version] = folder
+    registry.set_alias(name, "champion", next(iter(folders)))
+    return uri, folders
+
+
+def start_service(workdir: Path, env: dict[str, str], log_name: str = "serve.log",
+                  timeout: float = 300) -> tuple[subprocess.Popen, str]:
+    """`bentoml serve` on a free port of 127.0.0.1 with the service's settings in `env` (on top of this
+    environment less any ANCHOR_RM_, BENTOML_ or MLFLOW_ variable); returns once /readyz answers."""
+    import urllib.request
+
+    from service.config import serve_command
+
+    port = free_port()
+    full_env = {k: v for k, v in os.environ.items() if not k.startswith(("ANCHOR_RM_", "BENTOML_", "MLFLOW_"))}
+    full_env.update({"BENTOML_HOME": str(workdir / "bentoml"), "BENTOML_DO_NOT_TRACK": "true", "HF_HUB_OFFLINE": "1",
+                     "TOKENIZERS_PARALLELISM": "false", **env})
+    with open(workdir / log_name, "w") as log:
+        proc = subprocess.Popen(serve_command(port, "127.0.0.1"), cwd=ROOT, env=full_env, stdout=log,
+                                stderr=subprocess.STDOUT, start_new_session=True)
+    url = f"http://127.0.0.1:{port}"
+    deadline = time.time() + timeout
+    while time.time() < deadline:
+        if proc.poll() is not None:
+            raise RuntimeError(f"bentoml serve exited with {proc.returncode}; see {workdir / log_name}")
+        try:
+            with urllib.request.urlopen(url + "/readyz", timeout=2) as r:
+                if r.status == 200:
+                    return proc, url
+        except OSError:
+            time.sleep(0.5)
+    stop_service(proc)
+    raise TimeoutError(f"bentoml serve did not become ready within {timeout:.0f} s; see {workdir / log_name}")
+
+
+def stop_service(proc) -> None:
+    import signal
+
+    if proc.poll() is not None:
+        return
+    os.killpg(proc.pid, signal.SIGTERM)
+    try:
+        proc.wait(timeout=30)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait(timeout=30)
+
+
+def load_pairs(limit: int = 400) -> list[tuple[str, str]]:
+    """(prompt, response) pairs of HH helpful-base, both responses of each pair, none empty."""
+    from anchor_rm.catalog import load_dataset_pairs
+    from anchor_rm.splits import clean_pairs
+
+    pairs = []
+    for pair in clean_pairs(load_dataset_pairs("hh-helpful-base"))[0]:  # no empty responses: those get a 400
+        pairs += [(pair.prompt, pair.chosen), (pair.prompt, pair.rejected)]
+        if len(pairs) >= limit:
+            break
+    return pairs

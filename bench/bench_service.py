@@ -22,18 +22,15 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import signal
-import socket
 import statistics
 import subprocess
 import sys
 import tempfile
 import threading
 import time
-import urllib.request
 from pathlib import Path
 
-from bench_common import Disturbance, median
+from bench_common import Disturbance, load_pairs, median, service_machine, register_versions, start_service, stop_service
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
@@ -63,55 +60,6 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 # ---------------------------------------------------------------------------------------------------
 # Setup: a registered model and the pairs to score.
-
-def register_model(args, workdir: Path) -> Path:
-    import mlflow
-    from mlflow.tracking import MlflowClient
-
-    from anchor_rm import registry
-    from anchor_rm.encoding import RewardEncoder
-    from anchor_rm.report import SplitResult, build_report
-    from anchor_rm.tracking import configure
-    from anchor_rm.workflow import RewardModel, load_pretrained, save_reward_model
-
-    configure(f"sqlite:///{workdir / 'mlflow.db'}", "bench-service")
-    if args.model == "tiny":
-        import torch
-        from transformers import BertConfig, BertForSequenceClassification
-
-        from anchor_rm.models import load_tokenizer, resolve_model
-
-        tokenizer = load_tokenizer(resolve_model("minilm-l6"))
-        torch.manual_seed(0)
-        config = BertConfig(vocab_size=tokenizer.vocab_size, hidden_size=32, num_hidden_layers=2, num_attention_heads=2,
-                            intermediate_size=64, num_labels=1, pad_token_id=tokenizer.pad_token_id)
-        rm = RewardModel(BertForSequenceClassification(config).eval(), tokenizer,
-                         RewardEncoder(tokenizer, args.max_length, decoder=False), "tiny-bert")
-    else:
-        rm = load_pretrained(args.model, args.max_length, seed=0)
-    folder = save_reward_model(rm, workdir / "model")
-    rows = [SplitResult("hh-helpful-base", "id", "test", 470, 60.0, 60.0, None, 0.0),
-            SplitResult("pandalm", "ood", "test", 300, 50.0, 50.0, None, 0.0)]
-    report = build_report({"name": NAME, "student": args.model, "teacher": "none", "method": "benchmark",
-                           "hyperparameters": {}}, rows, selection_splits="val", figure_splits="test",
-                          data_digests={"hh-helpful-base/id_test": "0" * 64, "pandalm/test": "1" * 64})
-    with mlflow.start_run():
-        version = registry.log_and_register(folder, report, NAME).version
-    MlflowClient().set_registered_model_alias(NAME, "champion", version)
-    return folder
-
-
-def load_pairs(limit: int = 400) -> list[tuple[str, str]]:
-    from anchor_rm.catalog import load_dataset_pairs
-    from anchor_rm.splits import clean_pairs
-
-    pairs = []
-    for pair in clean_pairs(load_dataset_pairs("hh-helpful-base"))[0]:  # no empty responses: those get a 400
-        pairs += [(pair.prompt, pair.chosen), (pair.prompt, pair.rejected)]
-        if len(pairs) >= limit:
-            break
-    return pairs
-
 
 # ---------------------------------------------------------------------------------------------------
 # Measuring.
@@ -176,47 +124,14 @@ def warm_up(url: str, pairs: list[tuple[str, str]]) -> None:
             http.post("/score", json={"items": [{"prompt": prompt, "response": response}]}).raise_for_status()
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def serve(workdir: Path, batching: bool, max_batch_size: int, precision: str,
           forward_batch_size: int = 8) -> tuple[subprocess.Popen, str]:
-    from service.config import serve_command
-
-    port = free_port()
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("ANCHOR_RM_", "BENTOML_", "MLFLOW_"))}
-    env.update({"MLFLOW_TRACKING_URI": f"sqlite:///{workdir / 'mlflow.db'}", "BENTOML_HOME": str(workdir / "bentoml"),
-                "BENTOML_DO_NOT_TRACK": "true", "ANCHOR_RM_POLL_SECONDS": "0",
-                "ANCHOR_RM_BATCHING": "1" if batching else "0", "ANCHOR_RM_MAX_BATCH_SIZE": str(max_batch_size),
-                "ANCHOR_RM_PRECISION": precision, "ANCHOR_RM_FORWARD_BATCH_SIZE": str(forward_batch_size),
-                "ANCHOR_RM_DOWNLOAD_DIR": str(workdir / f"downloads-{int(batching)}")})
-    log = open(workdir / f"serve-{'batching' if batching else 'no-batching'}.log", "w")
-    proc = subprocess.Popen(serve_command(port, "127.0.0.1"), cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT,
-                            start_new_session=True)
-    url = f"http://127.0.0.1:{port}"
-    deadline = time.time() + 300
-    while time.time() < deadline:
-        if proc.poll() is not None:
-            raise RuntimeError(f"bentoml serve exited with {proc.returncode}; see {log.name}")
-        try:
-            with urllib.request.urlopen(url + "/readyz", timeout=2) as r:
-                if r.status == 200:
-                    return proc, url
-        except OSError:
-            time.sleep(0.5)
-    proc.kill()
-    raise TimeoutError("bentoml serve did not become ready")
-
-
-def stop(proc: subprocess.Popen) -> None:
-    os.killpg(proc.pid, signal.SIGTERM)
-    try:
-        proc.wait(timeout=30)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
+    return start_service(workdir, {
+        "MLFLOW_TRACKING_URI": f"sqlite:///{workdir / 'mlflow.db'}", "ANCHOR_RM_POLL_SECONDS": "0",
+        "ANCHOR_RM_BATCHING": "1" if batching else "0", "ANCHOR_RM_MAX_BATCH_SIZE": str(max_batch_size),
+        "ANCHOR_RM_PRECISION": precision, "ANCHOR_RM_FORWARD_BATCH_SIZE": str(forward_batch_size),
+        "ANCHOR_RM_DOWNLOAD_DIR": str(workdir / f"downloads-{int(batching)}")},
+        log_name=f"serve-{'batching' if batching else 'no-batching'}.log")
 
 
 class PlainLoop:
@@ -253,20 +168,14 @@ class PlainLoop:
         return summarise(latencies, len(latencies), time.perf_counter() - begin, 0)
 
 
-def machine() -> str:
-    import bentoml
-    from bench_common import machine as host
-
-    return f"{host()}, bentoml {bentoml.__version__}"
-
-
 def main(argv=None) -> int:
     args = parse_args(argv)
     concurrencies = [int(c) for c in args.concurrency.split(",") if c]
     skip = set(filter(None, args.skip.split(",")))
     workdir = Path(tempfile.mkdtemp(prefix="anchor-rm-bench-"))
     print(f"workdir {workdir}", flush=True)
-    folder = register_model(args, workdir)
+    _, folders = register_versions(workdir, args.model, args.max_length, NAME, (0,), "bench-service")
+    folder = next(iter(folders.values()))
     pairs = load_pairs()
     from anchor_rm.workflow import load_saved
 
@@ -277,7 +186,7 @@ def main(argv=None) -> int:
     n_params = sum(p.numel() for p in rm.model.parameters())
     del rm
     results = {"command": "python bench/bench_service.py " + " ".join(sys.argv[1:] if argv is None else argv),
-               "machine": machine(), "model": f"{args.model} ({n_params / 1e6:.1f}M parameters), max length "
+               "machine": service_machine(), "model": f"{args.model} ({n_params / 1e6:.1f}M parameters), max length "
                f"{args.max_length}", "data": f"{len(pairs)} HH helpful-base pairs, mean {tokens:.0f} tokens after "
                f"truncation, {100 * truncated:.0f}% truncated", "pairs_per_request": args.pairs_per_request,
                "seconds_per_cell": args.seconds, "cells": []}
@@ -314,7 +223,7 @@ def main(argv=None) -> int:
                     print(json.dumps(cell), flush=True)
     finally:
         for proc, _ in servers.values():
-            stop(proc)
+            stop_service(proc)
     print()
     print(f"Command: `{results['command']}`  ")
     print(f"Machine: {results['machine']}  ")

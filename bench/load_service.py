@@ -22,12 +22,10 @@ import argparse
 import asyncio
 import json
 import os
-import subprocess
 import sys
 import tempfile
 import threading
 import time
-import urllib.request
 from collections import Counter
 from pathlib import Path
 
@@ -57,72 +55,6 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 # ---------------------------------------------------------------------------------------------------
 # Setup.
-
-def register_two_versions(model: str, max_length: int, workdir: Path) -> str:
-    """Two versions (reward heads of seeds 0 and 1) in a SQLite store under workdir; champion -> 1."""
-    import mlflow
-    import torch
-    from mlflow.tracking import MlflowClient
-
-    from anchor_rm import registry
-    from anchor_rm.encoding import RewardEncoder
-    from anchor_rm.models import load_tokenizer, resolve_model
-    from anchor_rm.report import SplitResult, build_report
-    from anchor_rm.tracking import configure
-    from anchor_rm.workflow import RewardModel, load_pretrained, save_reward_model
-
-    uri = f"sqlite:///{workdir / 'mlflow.db'}"
-    configure(uri, "load-test")
-    rows = [SplitResult("hh-helpful-base", "id", "test", 470, 60.0, 60.0, None, 0.0),
-            SplitResult("pandalm", "ood", "test", 300, 50.0, 50.0, None, 0.0)]
-    for seed in (0, 1):
-        if model == "tiny":
-            from transformers import BertConfig, BertForSequenceClassification
-
-            tokenizer = load_tokenizer(resolve_model("minilm-l6"))
-            torch.manual_seed(seed)
-            config = BertConfig(vocab_size=tokenizer.vocab_size, hidden_size=32, num_hidden_layers=2,
-                                num_attention_heads=2, intermediate_size=64, num_labels=1,
-                                pad_token_id=tokenizer.pad_token_id)
-            rm = RewardModel(BertForSequenceClassification(config).eval(), tokenizer,
-                             RewardEncoder(tokenizer, max_length, decoder=False), "tiny-bert")
-        else:
-            rm = load_pretrained(model, max_length, seed=seed)
-        folder = save_reward_model(rm, workdir / f"model{seed}")
-        report = build_report({"name": NAME, "student": model, "teacher": "none", "method": "load-test",
-                               "hyperparameters": {}}, rows, selection_splits="val", figure_splits="test",
-                              data_digests={"hh-helpful-base/id_test": "0" * 64, "pandalm/test": "1" * 64})
-        with mlflow.start_run():
-            registry.log_and_register(folder, report, NAME)
-    MlflowClient().set_registered_model_alias(NAME, "champion", "1")
-    return uri
-
-
-def start_service(uri: str, workdir: Path, port: int, poll_seconds: float = 5.0) -> subprocess.Popen:
-    from service.config import serve_command
-
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("ANCHOR_RM_", "BENTOML_", "MLFLOW_"))}
-    env.update({"MLFLOW_TRACKING_URI": uri, "BENTOML_HOME": str(workdir / "bentoml"), "BENTOML_DO_NOT_TRACK": "true",
-                "ANCHOR_RM_API_KEY": API_KEY, "ANCHOR_RM_POLL_SECONDS": str(poll_seconds),
-                "ANCHOR_RM_DOWNLOAD_DIR": str(workdir / "downloads"), "HF_HUB_OFFLINE": "1",
-                "TOKENIZERS_PARALLELISM": "false"})
-    log = open(workdir / "serve.log", "w")
-    proc = subprocess.Popen(serve_command(port, "127.0.0.1"), cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT,
-                            start_new_session=True)
-    log.close()
-    deadline = time.time() + 300
-    while time.time() < deadline:
-        if proc.poll() is not None:
-            raise RuntimeError(f"bentoml serve exited with {proc.returncode}; see {workdir / 'serve.log'}")
-        try:
-            with urllib.request.urlopen(f"http://127.0.0.1:{port}/readyz", timeout=2) as r:
-                if r.status == 200:
-                    return proc
-        except OSError:
-            time.sleep(0.5)
-    proc.kill()
-    raise TimeoutError("bentoml serve did not become ready within 300 s")
-
 
 # ---------------------------------------------------------------------------------------------------
 # Measuring.
@@ -245,19 +177,19 @@ def alias_mover(url: str, every: float, moves: list, api_key: str = API_KEY):
 
 
 def main(argv=None) -> int:
-    from bench_service import free_port, load_pairs, machine, stop
+    from bench_common import load_pairs, register_versions, service_machine, start_service, stop_service
 
     args = parse_args(argv)
     workdir = Path(tempfile.mkdtemp(prefix="anchor-rm-load-"))
     print(f"workdir {workdir}", flush=True)
-    uri = register_two_versions(args.model, args.max_length, workdir)
+    uri, _ = register_versions(workdir, args.model, args.max_length, NAME, (0, 1), "load-test")
     os.environ["MLFLOW_TRACKING_URI"] = uri
     pairs = load_pairs()
-    port = free_port()
-    proc = start_service(uri, workdir, port, args.poll_seconds)
-    url = f"http://127.0.0.1:{port}"
+    proc, url = start_service(workdir, {
+        "MLFLOW_TRACKING_URI": uri, "ANCHOR_RM_API_KEY": API_KEY, "ANCHOR_RM_POLL_SECONDS": str(args.poll_seconds),
+        "ANCHOR_RM_DOWNLOAD_DIR": str(workdir / "downloads")})
     results = {"command": "python bench/load_service.py " + " ".join(sys.argv[1:] if argv is None else argv),
-               "machine": machine(), "model": f"{args.model}, max length {args.max_length}",
+               "machine": service_machine(), "model": f"{args.model}, max length {args.max_length}",
                "concurrency": args.concurrency}
     try:
         results["rss_mb_after_start"] = round(tree_rss_mb(proc.pid), 1)
@@ -272,7 +204,7 @@ def main(argv=None) -> int:
             results["alias_moves"] = {**moving, "moves": moves, "rss_mb_samples": samples}
             print(json.dumps({"alias_moves": results["alias_moves"]}), flush=True)
     finally:
-        stop(proc)
+        stop_service(proc)
     failures = results["steady"]["failures"] + results.get("alias_moves", {}).get("failures", 0)
     print()
     print(f"Command: `{results['command']}`  ")

@@ -93,7 +93,7 @@ def threads(folder: str, calls: int, precision: str) -> list[list[str]]:
 
 
 def forward(folder: str, batches: int, precision: str) -> list[list[str]]:
-    from bench_service import load_pairs
+    from bench_common import load_pairs
 
     from anchor_rm.workflow import load_saved
 

@@ -19,12 +19,44 @@ os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
 os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
 
 
+def protocol_parser(description: str, preset_help: str):
+    """The parser train.py and tune.py start from: --preset and --category."""
+    import argparse
+
+    p = argparse.ArgumentParser(description=description, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--preset", choices=["default", "smoke"], default="default", help=preset_help)
+    p.add_argument("--category", choices=["helpful", "harmless"], default="helpful",
+                   help="helpful (source hh-helpful) or harmless (source pku-saferlhf); the OOD targets of each: "
+                        "README, What the main job does")
+    return p
+
+
 def add_precision_argument(parser) -> None:
     # The choices are written here, not imported: --help must not pay for importing torch.
     parser.add_argument("--precision", choices=["auto", "fp32", "bf16"], default="auto",
                         help="forward-pass precision of training and evaluation: auto (default) picks bf16 autocast "
                              "only where the hardware computes bf16 natively and faster (CUDA with bf16, a CPU with "
                              "AVX512-BF16 or AMX) and fp32 everywhere else; the choice is logged and recorded")
+
+
+def apply_shared_flags(cfg, args, student_train: dict):
+    """The flags train.py and tune.py share (--student, --teacher, --seed, --min-gap, --precision) and the
+    student-training fields given in `student_train` (None: keep the preset's) applied to a ProtocolConfig,
+    checked, with the precision resolved once."""
+    if args.student:
+        cfg.student = args.student
+    if args.teacher:
+        cfg.teacher = args.teacher
+    if args.seed is not None:
+        cfg.seed = cfg.teacher_train.seed = cfg.student_train.seed = args.seed
+    if args.min_gap is not None:
+        cfg.min_gap = args.min_gap
+    for name, value in student_train.items():
+        if value is not None:
+            setattr(cfg.student_train, name, value)
+    cfg.student_train.__post_init__()
+    cfg.resolve_precision(args.precision)
+    return cfg
 
 
 def setup_logging(verbose: bool = False) -> None:

@@ -99,12 +99,9 @@ def _uses_mlflow(args) -> bool:
 
 
 def evaluate(args) -> int:
-    import mlflow
-    from mlflow.exceptions import MlflowException
-
     from anchor_rm import evaluation as ev
+    from anchor_rm.mlflow_edge import keys, runs, store
     from anchor_rm.report_files import report_to_markdown, write_report
-    from anchor_rm.tracking import configure, resolve_tracking_uri
     from anchor_rm.precision import resolve_precision
     from anchor_rm.workflow import load_saved
 
@@ -117,15 +114,13 @@ def evaluate(args) -> int:
     for s in sets:
         print(s.summary())
 
-    tracking_uri = resolve_tracking_uri(args.tracking_uri)
+    tracking_uri = store.resolve_tracking_uri(args.tracking_uri)
     try:
         experiment_id = None
         if not args.no_log:
-            experiment_id = configure(args.tracking_uri, ev.EVALUATION_EXPERIMENT)
+            experiment_id = store.configure(args.tracking_uri, ev.EVALUATION_EXPERIMENT)
         elif _uses_mlflow(args):
-            mlflow.set_tracking_uri(tracking_uri)  # as tracking.configure does, without creating an experiment
-            if tracking_uri.startswith("sqlite:") and not os.environ.get("MLFLOW_REGISTRY_URI"):
-                mlflow.set_registry_uri(tracking_uri)
+            store.connect(args.tracking_uri)  # without creating an experiment
         with tempfile.TemporaryDirectory(prefix="anchor-rm-evaluate-") as tmp:
             model = ev.resolve_model_uri(args.model, Path(tmp) / "student")
             log.info("model: %s (%s)", model.name, model.folder)
@@ -145,20 +140,19 @@ def evaluate(args) -> int:
                                  precision=precision)
 
         out = args.out or Path.cwd() / f"evaluation-{datetime.now().strftime('%Y%m%d-%H%M%S')}"
-        run_context = nullcontext() if args.no_log else mlflow.start_run(
+        run_context = nullcontext() if args.no_log else runs.start_run(
             experiment_id=experiment_id, run_name=f"evaluate {model.name}")
-        with run_context as run:
-            run_id = run.info.run_id if run else None
+        with run_context as run_id:
             report = ev.evaluation_report(ev.model_info(model, teacher, run_id, precision), rows, sets)
             paths = write_report(report, out)
-            if run is not None:
-                mlflow.set_tags(ev.run_tags(model, teacher))
-                mlflow.log_params({**ev.run_params(model, teacher, sets, args.id_data), "precision": precision})
-                mlflow.log_metrics(ev.report_metrics(report))
-                for path in paths.values():  # only the report: --out may be a folder with other files
-                    mlflow.log_artifact(str(path), "report")
-    except MlflowException as exc:
-        raise ValueError(f"MLflow at {tracking_uri}: {getattr(exc, 'message', exc)}") from None
+            if run_id is not None:
+                runs.set_tags(ev.run_tags(model, teacher))
+                runs.log_params({**ev.run_params(model, teacher, sets, args.id_data), "precision": precision})
+                runs.log_metrics(keys.evaluation_metrics(report))
+                # only the report: --out may be a folder with other files
+                runs.log_files(paths.values(), keys.REPORT_ARTIFACT)
+    except store.TrackingError as exc:
+        raise ValueError(f"MLflow at {tracking_uri}: {store.message(exc)}") from None
 
     print()
     print(report_to_markdown(report))

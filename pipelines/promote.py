@@ -70,23 +70,6 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
-def connect(tracking_uri: str | None) -> str:
-    """Point MLflow's tracking and registry at the store; refuse to create an empty SQLite file."""
-    import mlflow
-
-    from anchor_rm.tracking import resolve_tracking_uri
-
-    uri = resolve_tracking_uri(tracking_uri)
-    if uri.startswith("sqlite:///"):
-        path = Path(uri[len("sqlite:///"):])
-        if not path.exists():
-            raise FileNotFoundError(f"no MLflow database at {path} (pass --tracking-uri or set MLFLOW_TRACKING_URI)")
-    mlflow.set_tracking_uri(uri)
-    if uri.startswith("sqlite:") and not os.environ.get("MLFLOW_REGISTRY_URI"):
-        mlflow.set_registry_uri(uri)
-    return uri
-
-
 def main(argv=None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
@@ -97,14 +80,13 @@ def main(argv=None) -> int:
     setup_logging(args.verbose)
     os.environ.setdefault("MLFLOW_ENABLE_ARTIFACTS_PROGRESS_BAR", "false")
     with clean_errors():
-        from mlflow.exceptions import MlflowException
-
         from anchor_rm import promotion, promotion_text
-        from anchor_rm.registry import default_model_name
+        from anchor_rm.mlflow_edge import store
+        from anchor_rm.mlflow_edge.registry import default_model_name
 
         name = args.name or default_model_name(args.category)
         try:
-            uri = connect(args.tracking_uri)
+            uri = store.connect(args.tracking_uri, must_exist=True)
             print(f"tracking store: {uri}")
             if args.rollback:
                 result = promotion.rollback(name, dry_run=args.dry_run, settle_seconds=args.settle_seconds)
@@ -122,10 +104,10 @@ def main(argv=None) -> int:
                 print()
             print(promotion_text.format_result(result))
             return promotion_text.exit_code(result.status)
-        except MlflowException as exc:  # an unreachable server or a store error: one line, not a traceback
+        except store.TrackingError as exc:  # an unreachable server or a store error: one line, not a traceback
             if os.environ.get("ANCHOR_RM_DEBUG"):
                 raise
-            print(f"error: MLflow: {exc.message}", file=sys.stderr)
+            print(f"error: MLflow: {store.message(exc)}", file=sys.stderr)
             return 2
 
 

@@ -69,7 +69,7 @@ def main(argv=None) -> int:
     with clean_errors():
         from anchor_rm.study import StudyConfig, run_study
         from anchor_rm.study_report import write_study_report
-        from anchor_rm.tracking import configure, resolve_tracking_uri
+        from anchor_rm.mlflow_edge.store import configure, resolve_tracking_uri
 
         study = StudyConfig(categories=args.categories, seeds=args.seeds, lambdas=args.lambdas, layer_choices=args.layers,
                             confidence_alphas=args.confidence_alphas, preset=args.preset, precision=args.precision)

@@ -18,18 +18,14 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _common import add_precision_argument, clean_errors, setup_logging  # noqa: E402
+from _common import add_precision_argument, apply_shared_flags, clean_errors, protocol_parser, setup_logging  # noqa: E402
 
 log = logging.getLogger("anchor_rm")
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--preset", choices=["default", "smoke"], default="default",
-                   help="default: MiniLM-L6 student, the default protocol; smoke: tiny, under a minute on 2 "
-                        "cores with native bf16 (README, Precision and speed)")
-    p.add_argument("--category", choices=["helpful", "harmless"], default="helpful",
-                   help="helpful: source HH helpful-base; harmless: source HH harmless-base")
+    p = protocol_parser(__doc__, "default: MiniLM-L6 student, the default protocol; smoke: tiny, under a minute on "
+                                 "2 cores with native bf16 (README, Precision and speed)")
     p.add_argument("--method", choices=["naive", "confidence", "anchor", "gold"], default="anchor",
                    help="naive W2S, confidence W2S (Burns et al.), ANCHOR, or gold labels (the strong ceiling)")
     p.add_argument("--anchor-lambda", type=float, help="weight of the anchor term (default 1e-2)")
@@ -63,27 +59,10 @@ def config_from_args(args):
         cfg.source = args.source
     if args.targets:
         cfg.targets = [t.strip() for t in args.targets.split(",") if t.strip()]
-    if args.student:
-        cfg.student = args.student
-    if args.teacher:
-        cfg.teacher = args.teacher
-    if args.seed is not None:
-        cfg.seed = args.seed
-        cfg.teacher_train.seed = cfg.student_train.seed = args.seed
     cfg.train_ceiling = not args.no_ceiling
-    if args.min_gap is not None:
-        cfg.min_gap = args.min_gap
-    t = cfg.student_train
-    t.method = args.method
-    for flag, field_name in [("anchor_lambda", "anchor_lambda"), ("anchor_layers", "anchor_layers"),
-                             ("confidence_alpha", "confidence_alpha"), ("epochs", "epochs"), ("batch_size", "batch_size"),
-                             ("learning_rate", "learning_rate"), ("max_length", "max_length")]:
-        value = getattr(args, flag)
-        if value is not None:
-            setattr(t, field_name, value)
-    t.__post_init__()
-    cfg.resolve_precision(args.precision)
-    return cfg
+    student_flags = ("method", "anchor_lambda", "anchor_layers", "confidence_alpha", "epochs", "batch_size",
+                     "learning_rate", "max_length")
+    return apply_shared_flags(cfg, args, {name: getattr(args, name) for name in student_flags})
 
 
 def main(argv=None) -> int:
@@ -92,7 +71,7 @@ def main(argv=None) -> int:
     with clean_errors():
         from anchor_rm.experiment import prepare_shared, run_student
         from anchor_rm.report_files import report_to_markdown
-        from anchor_rm.tracking import configure, resolve_tracking_uri
+        from anchor_rm.mlflow_edge.store import configure, resolve_tracking_uri
 
         cfg = config_from_args(args)
         started = time.perf_counter()

@@ -18,26 +18,20 @@ from __future__ import annotations
 import argparse
 import logging
 import sys
-import tempfile
 import time
 from datetime import datetime
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from _common import add_precision_argument, clean_errors, setup_logging  # noqa: E402
+from _common import add_precision_argument, apply_shared_flags, clean_errors, protocol_parser, setup_logging  # noqa: E402
 
 log = logging.getLogger("anchor_rm")
-NAME_TAG = "anchor_rm.tune_name"
-REGISTERED_TAG = "anchor_rm.registered_version"
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--preset", choices=["default", "smoke"], default="default",
-                   help="default: the embedded default (15 min on 2 cores with native bf16, about 42 estimated "
-                        "on AVX2-only ones: README, Precision and speed); smoke: tiny, a few minutes")
-    p.add_argument("--category", choices=["helpful", "harmless"], default="helpful")
+    p = protocol_parser(__doc__, "default: the embedded default (15 min on 2 cores with native bf16, about 42 "
+                                 "estimated on AVX2-only ones: README, Precision and speed); smoke: tiny, a few minutes")
     p.add_argument("--num-samples", type=int, help="ANCHOR configurations Optuna tries (default: preset's)")
     p.add_argument("--concurrency", type=int, default=1, help="trials running at once (default 1)")
     p.add_argument("--workers-per-trial", type=int, default=1, help="Ray Train workers (DDP processes) per trial")
@@ -65,19 +59,7 @@ def build_parser() -> argparse.ArgumentParser:
 def tune_config(args):
     from anchor_rm.config import tune_preset
 
-    cfg = tune_preset(args.preset, args.category)
-    if args.student:
-        cfg.student = args.student
-    if args.teacher:
-        cfg.teacher = args.teacher
-    cfg.seed = cfg.teacher_train.seed = cfg.student_train.seed = args.seed
-    if args.epochs is not None:
-        cfg.student_train.epochs = args.epochs
-    if args.min_gap is not None:
-        cfg.min_gap = args.min_gap
-    cfg.student_train.__post_init__()
-    cfg.resolve_precision(args.precision)
-    return cfg
+    return apply_shared_flags(tune_preset(args.preset, args.category), args, {"epochs": args.epochs})
 
 
 def experiment_name(args, storage: Path) -> str:
@@ -93,15 +75,13 @@ def experiment_name(args, storage: Path) -> str:
 
 
 def parent_run(experiment_id: str, name: str, resume: bool) -> str:
-    from mlflow.tracking import MlflowClient
+    from anchor_rm.mlflow_edge import keys, runs
 
-    client = MlflowClient()
     if resume:
-        runs = client.search_runs([experiment_id], filter_string=f"tags.`{NAME_TAG}` = '{name}'", max_results=1)
-        if runs:
-            return runs[0].info.run_id
-    run = client.create_run(experiment_id, run_name=f"tune {name}", tags={NAME_TAG: name, "anchor_rm.stage": "tune"})
-    return run.info.run_id
+        run_id = runs.find_run(experiment_id, {keys.TUNE_NAME_TAG: name})
+        if run_id is not None:
+            return run_id
+    return runs.create_run(experiment_id, {keys.TUNE_NAME_TAG: name, keys.STAGE_TAG: "tune"}, run_name=f"tune {name}")
 
 
 def use_cluster_token(address: str | None) -> None:
@@ -125,16 +105,15 @@ def main(argv=None) -> int:
 
 
 def run(args) -> int:
-    import mlflow
-    import ray
-
-    from anchor_rm.experiment import log_report, prepare_shared
-    from anchor_rm.registry import default_model_name, log_and_register
+    from anchor_rm.experiment import prepare_shared
+    from anchor_rm.mlflow_edge import keys, runs
+    from anchor_rm.mlflow_edge.registry import default_model_name
+    from anchor_rm.mlflow_edge.store import configure, resolve_tracking_uri
+    from anchor_rm.mlflow_edge.writer import outage_seconds_from_env
     from anchor_rm.report_files import report_to_markdown
-    from anchor_rm.tracking import configure, resolve_tracking_uri
-    from tuning.final import checkpoint_folder, comparison_table, evaluate_outcome, nts_lambda_chart, outcomes_json
-    from tuning.search import best_trial, init_ray, run_search
-    from tuning.trainable import SharedPayload, outage_seconds_from_env, worker_resources
+    from tuning.final import register_selected
+    from tuning.search import init_ray, run_search
+    from tuning.trainable import make_payload
 
     outage_seconds_from_env()  # a bad value fails here, before any stage runs, not later in every trial
     started = time.perf_counter()
@@ -155,29 +134,19 @@ def run(args) -> int:
         shared.check_gap(cfg.min_gap)
 
     parent_id = parent_run(experiment_id, name, args.resume)
-    with mlflow.start_run(run_id=parent_id):
-        mlflow.set_tags(shared.tags())
+    with runs.start_run(run_id=parent_id):
+        runs.set_tags(shared.tags())
         if not args.resume:
-            mlflow.log_params({"preset": args.preset, "category": cfg.category, "student": cfg.student,
+            runs.log_params({"preset": args.preset, "category": cfg.category, "student": cfg.student,
                                "teacher": cfg.teacher, "num_samples": args.num_samples or cfg_num_samples(args),
                                "concurrency": args.concurrency, "workers_per_trial": args.workers_per_trial,
                                "epochs": cfg.student_train.epochs, "seed": args.seed, "precision": cfg.precision})
-        existing = mlflow.get_run(parent_id).data.tags.get(REGISTERED_TAG)
+        existing = runs.run_tag(parent_id, keys.REGISTERED_TAG)
         init_ray(args.ray_address)
-        total_cpus = ray.cluster_resources().get("CPU", 1)
-        gpus = ray.cluster_resources().get("GPU", 0)
-        use_gpu = args.use_gpu == "yes" or (args.use_gpu == "auto" and gpus > 0)
-        cpus_per_worker, threads_per_worker = worker_resources(total_cpus, args.concurrency, args.workers_per_trial)
-        payload = SharedPayload(
-            cfg=cfg, splits=shared.splits, soft_labels=shared.soft_labels,
-            teacher_val=shared.teacher.outputs["scores"]["val"], headline_targets=shared.headline_targets,
-            tracking_uri=tracking_uri,
-            experiment_id=experiment_id, parent_run_id=parent_id, storage_path=str(storage / name),
-            num_workers=args.workers_per_trial,
-            cpus_per_worker=cpus_per_worker, threads_per_worker=threads_per_worker,
-            use_gpu=use_gpu, tags=shared.tags(),
-        )
-        payload.reference_states = shared_reference_states(cfg, shared)
+        payload = make_payload(cfg, shared, tracking_uri=tracking_uri, experiment_id=experiment_id,
+                               parent_run_id=parent_id, storage_path=str(storage / name),
+                               workers_per_trial=args.workers_per_trial, concurrency=args.concurrency,
+                               use_gpu=args.use_gpu)
         search_started = time.perf_counter()
         baselines, anchor = run_search(payload, num_samples=args.num_samples or cfg_num_samples(args),
                                        concurrency=args.concurrency, resume=args.resume, seed=args.seed)
@@ -186,35 +155,13 @@ def run(args) -> int:
             log.info("this experiment already registered %s; nothing more to do", existing)
             print(f"registered model version: {existing}")
             return 0
-        selected = best_trial(anchor)
-        log.info("selected %s (val mean NTS %+.2f)", selected.config, selected.val_mean_nts)
-
-        with mlflow.start_run(run_name="final-evaluation", nested=True) as final_run, \
-                tempfile.TemporaryDirectory() as tmp:
-            mlflow.set_tags({"anchor_rm.stage": "final", **shared.tags()})
-            train_dict = cfg.student_train.to_dict()
-            reports, folders = {}, {}
-            for label, outcome in [("selected", selected)] + [(f"{b.config['method']} W2S", b) for b in baselines if b.checkpoint_path]:
-                folders[label] = checkpoint_folder(outcome, Path(tmp) / label.replace(" ", "_"))
-                reports[label] = evaluate_outcome(shared, outcome, folders[label], cfg.student, cfg.teacher,
-                                                  cfg.eval_batch_size, train_dict, cfg.precision)
-            selected_label = f"ANCHOR {selected.config['anchor_layers']} lambda={selected.config['anchor_lambda']:.2g} (selected)"
-            reports = {selected_label if k == "selected" else k: v for k, v in reports.items()}
-            report = reports[selected_label]
-            report.model["run_id"] = final_run.info.run_id
-            comparison = Path(tmp) / "comparison.md"
-            comparison.write_text(comparison_table(reports) + "\n")
-            chart = nts_lambda_chart(anchor, baselines, Path(tmp) / "nts_vs_lambda.png")
-            trials = outcomes_json(baselines, anchor, Path(tmp) / "trials.json")
-            log_report(report)
-            version = log_and_register(folders["selected"], report, registered_name,
-                                       extra_artifacts={"comparison.md": str(comparison), "nts_vs_lambda.png": str(chart),
-                                                        "trials.json": str(trials)})
-        mlflow.set_tag(REGISTERED_TAG, f"{version.name}/{version.version}")
+        final = register_selected(shared, cfg, baselines, anchor, registered_name)
+        runs.set_tags({keys.REGISTERED_TAG: f"{final.version.name}/{final.version.version}"})
+    report, version = final.report, final.version
 
     print(report_to_markdown(report))
     print("\nTest-split comparison (selection used validation splits only):\n")
-    print(comparison_table(reports))
+    print(final.comparison)
     total = time.perf_counter() - started
     print(f"\nregistered: {version.model_uri} (alias challenger), run {version.run_id}")
     print(f"report:     runs:/{version.run_id}/report/report.md (and report.json, report.png, comparison.md, "
@@ -224,23 +171,6 @@ def run(args) -> int:
     print(f"promote: python pipelines/promote.py --name {version.name} --version {version.version}")
     print(f"browse:  mlflow ui --backend-store-uri {tracking_uri}")
     return 0
-
-
-def shared_reference_states(cfg, shared):
-    """The frozen reference's states for every layer choice the search may pick, put in Ray's object store."""
-    import ray
-
-    from anchor_rm.workflow import load_pretrained, reference_states
-    from tuning.space import LAYER_CHOICES
-
-    started = time.perf_counter()
-    train_cfg = cfg.student_train
-    rm = load_pretrained(cfg.student, train_cfg.max_length, train_cfg.seed)
-    states = reference_states(cfg.student, rm, shared.splits.student_train, LAYER_CHOICES, precision=train_cfg.precision,
-                              batch_size=cfg.eval_batch_size)
-    log.info("reference states for layers %s: %.0f MB in %.0f s", states.layers, states.nbytes() / 1e6,
-             time.perf_counter() - started)
-    return ray.put(states)
 
 
 def cfg_num_samples(args) -> int:

@@ -9,8 +9,6 @@ from __future__ import annotations
 import json
 import logging
 import math
-import os
-import re
 import shutil
 import tempfile
 import threading
@@ -25,7 +23,6 @@ from service.schemas import TRUNCATION_POLICY, ModelRef
 logger = logging.getLogger("anchor_rm.service")
 
 
-_REGISTERED = re.compile(r"^models:/(?P<name>[^/@]+)(?:@(?P<alias>[^/@]+)|/(?P<version>[^/@]+))/?$")
 HEADLINE_TAGS = ("mean_nts", "wrg", "id_accuracy", "teacher_id_accuracy", "pgr", "method", "anchor_lambda",
                  "anchor_layers", "selection_splits", "figure_splits")
 
@@ -33,15 +30,9 @@ HEADLINE_TAGS = ("mean_nts", "wrg", "id_accuracy", "teacher_id_accuracy", "pgr",
 def configure_mlflow() -> str:
     """MLFLOW_TRACKING_URI / MLFLOW_REGISTRY_URI as everywhere in MLflow; when unset, the pipelines' default
     store (SQLite mlflow.db in the working directory). Returns the tracking URI."""
-    import mlflow
+    from anchor_rm.mlflow_edge import store
 
-    from anchor_rm.tracking import resolve_tracking_uri
-
-    uri = resolve_tracking_uri(None)
-    mlflow.set_tracking_uri(uri)
-    if uri.startswith("sqlite:") and not os.environ.get("MLFLOW_REGISTRY_URI"):
-        mlflow.set_registry_uri(uri)
-    return uri
+    return store.connect(None)
 
 
 def _number_or_text(value: str) -> float | str:
@@ -58,38 +49,15 @@ def headline_metrics(tags: dict[str, str]) -> dict[str, float | str]:
     return {k: _number_or_text(tags[k]) for k in keys}
 
 
-def _find_report(folder: Path) -> Path | None:
-    """report/report.json inside the pyfunc model that holds `folder` (registry.log_and_register's layout),
-    or beside a plain model folder."""
-    for candidate in (folder, *list(folder.parents)[:3]):
-        if (candidate / "MLmodel").is_file():
-            from mlflow.models import Model
-
-            artifacts = Model.load(str(candidate)).flavors.get("python_function", {}).get("artifacts") or {}
-            if "report" in artifacts:
-                path = candidate / artifacts["report"]["path"] / "report.json"
-                return path if path.is_file() else None
-            return None
-    path = folder / "report" / "report.json"
-    return path if path.is_file() else None
-
-
 def _load_report(folder: Path, registered_name: str | None, version: str | None) -> tuple[dict | None, str | None]:
     """(report.json as a dict, None) or (None, why there is none). The report is validated on the way."""
+    from anchor_rm.mlflow_edge import model_package, registry
     from anchor_rm.report_files import read_report
 
-    path = _find_report(folder)
+    path = model_package.find_report(folder)
     try:
         if path is None and registered_name and version:
-            from anchor_rm.registry import REPORT_JSON
-
-            import mlflow
-            from mlflow.tracking import MlflowClient
-
-            run_id = MlflowClient().get_model_version(registered_name, version).run_id
-            if run_id:
-                path = Path(mlflow.artifacts.download_artifacts(run_id=run_id, artifact_path=REPORT_JSON,
-                                                                dst_path=str(folder.parent / "run-report")))
+            path = registry.download_version_report(registered_name, version, folder.parent / "run-report")
         if path is None:
             return None, "this model carries no evaluation report"
         read_report(path)  # validates against the schema
@@ -135,19 +103,12 @@ class ServedModel:
         }
 
 
-def parse_registry_uri(uri: str) -> tuple[str, str | None, str | None] | None:
-    """models:/NAME@ALIAS or models:/NAME/VERSION -> (name, alias, version); None for other URIs."""
-    match = _REGISTERED.match(uri)
-    if match is None:
-        return None
-    return match["name"], match["alias"], match["version"]
-
-
 def load_served_model(uri: str, download_dir: str | Path, batch_size: int = 32, precision: str = "auto") -> ServedModel:
     """Resolve `uri` (anchor_rm.evaluation.resolve_model_uri: registry, run or folder), load the reward model and
     its tokenizer (workflow.load_saved), read its report and headline figures. `precision` (auto | fp32 |
     bf16) is resolved here, once per process, so that /model says what scores."""
-    from anchor_rm.evaluation import resolve_model_uri
+    from anchor_rm.mlflow_edge import registry
+    from anchor_rm.mlflow_edge.model_package import parse_registry_uri, resolve_model_uri
     from anchor_rm.precision import resolve_precision
     from anchor_rm.workflow import load_saved
 
@@ -156,9 +117,7 @@ def load_served_model(uri: str, download_dir: str | Path, batch_size: int = 32, 
     parsed = parse_registry_uri(uri)
     tags: dict[str, str] = {}
     if resolved.registered_name and resolved.version:
-        from mlflow.tracking import MlflowClient
-
-        tags = dict(MlflowClient().get_model_version(resolved.registered_name, resolved.version).tags or {})
+        tags = registry.version_tags(resolved.registered_name, resolved.version)
     report, report_error = _load_report(resolved.folder, resolved.registered_name, resolved.version)
     return ServedModel(
         scorer=reward_model.scorer(batch_size, resolve_precision(precision)), uri=uri, resolved=resolved.name,
@@ -173,18 +132,9 @@ def load_served_model(uri: str, download_dir: str | Path, batch_size: int = 32, 
 def target_version(uri: str) -> str | None:
     """The version `uri` names in the registry now (an alias is looked up); None when the URI is fixed (a
     version number, a run, a folder) and so never moves."""
-    parsed = parse_registry_uri(uri)
-    if parsed is None:
-        return None
-    name, alias, version = parsed
-    from mlflow.tracking import MlflowClient
+    from anchor_rm.mlflow_edge import registry
 
-    client = MlflowClient()
-    if alias is not None:
-        return str(client.get_model_version_by_alias(name, alias).version)
-    if version == "latest":
-        return str(max(int(v.version) for v in client.search_model_versions(f"name='{name}'")))
-    return None
+    return registry.current_version(uri)
 
 
 @dataclass

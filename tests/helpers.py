@@ -106,3 +106,66 @@ def ray_head(workdir: Path, num_cpus: int = 2):
         yield f"127.0.0.1:{port}"
     finally:
         subprocess.run([ray_bin, "stop", "--force"], env=env, capture_output=True, timeout=120)
+
+
+# ---------------------------------------------------------------------------------------------------
+# Shared fixtures' building blocks: the tiny model, a SQLite store, a registered version.
+
+def tiny_bert(tokenizer, seed: int = 0):
+    """A 2-layer, 32-wide BERT on `tokenizer`'s vocabulary (MiniLM's): real code paths, millisecond steps."""
+    import torch
+    from transformers import BertConfig, BertForSequenceClassification
+
+    torch.manual_seed(seed)
+    config = BertConfig(vocab_size=tokenizer.vocab_size, hidden_size=32, num_hidden_layers=2, num_attention_heads=2,
+                        intermediate_size=64, num_labels=1, hidden_dropout_prob=0.0,
+                        attention_probs_dropout_prob=0.0, pad_token_id=tokenizer.pad_token_id)
+    return BertForSequenceClassification(config)
+
+
+def tiny_reward_model(tokenizer, seed: int = 0, max_length: int = 32, name: str = "tiny-bert"):
+    from anchor_rm.encoding import RewardEncoder
+    from anchor_rm.workflow import RewardModel
+
+    return RewardModel(tiny_bert(tokenizer, seed), tokenizer, RewardEncoder(tokenizer, max_length, decoder=False), name)
+
+
+def tiny_model_folder(path: Path, tokenizer, seed: int = 0, max_length: int = 32, name: str = "tiny-bert",
+                      extra: dict | None = None) -> Path:
+    """The tiny reward model saved as a folder (workflow.save_reward_model)."""
+    from anchor_rm.workflow import save_reward_model
+
+    return save_reward_model(tiny_reward_model(tokenizer, seed, max_length, name), path, extra)
+
+
+@contextmanager
+def sqlite_store(folder: Path, experiment: str):
+    """A fresh SQLite tracking store and registry in `folder`, made current (experiment selected); the
+    caller's MLflow URIs and environment come back afterwards. Yields the URI."""
+    import mlflow
+
+    from anchor_rm.mlflow_edge.store import configure
+
+    saved_env = {k: os.environ.pop(k, None) for k in ("MLFLOW_TRACKING_URI", "MLFLOW_REGISTRY_URI")}
+    before = mlflow.get_tracking_uri(), mlflow.get_registry_uri()
+    uri = f"sqlite:///{folder / 'mlflow.db'}"
+    configure(uri, experiment)
+    try:
+        yield uri
+    finally:
+        mlflow.set_tracking_uri(before[0])
+        mlflow.set_registry_uri(before[1])
+        for k, v in saved_env.items():
+            os.environ.pop(k, None)
+            if v is not None:
+                os.environ[k] = v
+
+
+def register_version(folder: Path, report, name: str) -> str:
+    """A new version of `name` registered from `folder` with `report`, in a run of its own, as tune.py
+    registers one (alias challenger); returns the version number."""
+    from anchor_rm.mlflow_edge import runs
+    from anchor_rm.mlflow_edge.registry import log_and_register
+
+    with runs.start_run():
+        return log_and_register(folder, report, name).version

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from helpers import ROOT, run_pipeline
+from helpers import ROOT, run_pipeline, tiny_model_folder
 
 REGISTERED = "anchor-rm-test"
 TEACHER_TAG = "anchor_rm.teacher_run"
@@ -79,35 +79,21 @@ class Store:
     root: Path
 
 
-def _tiny_bert(tokenizer, seed):
-    # The tiny_bert fixture's model; rebuilt here because this store is shared by the module's tests.
-    import torch
-    from transformers import BertConfig, BertForSequenceClassification
-
-    torch.manual_seed(seed)
-    config = BertConfig(vocab_size=tokenizer.vocab_size, hidden_size=32, num_hidden_layers=2, num_attention_heads=2,
-                        intermediate_size=64, num_labels=1, hidden_dropout_prob=0.0,
-                        attention_probs_dropout_prob=0.0, pad_token_id=tokenizer.pad_token_id)
-    return BertForSequenceClassification(config)
-
-
 @pytest.fixture(scope="module")
 def store(tmp_path_factory, minilm_tokenizer):
     import mlflow
 
-    from anchor_rm import registry
+    from anchor_rm.mlflow_edge import registry
+    from anchor_rm.mlflow_edge.store import configure
     from anchor_rm.report import SplitResult, build_report
-    from anchor_rm.tracking import configure
-    from anchor_rm.workflow import save_reward_model
 
     root = tmp_path_factory.mktemp("registry")
     uri = f"sqlite:///{root / 'mlflow.db'}"
     previous = mlflow.get_tracking_uri(), mlflow.get_registry_uri()
     experiment_id = configure(uri, "anchor-rm-test")
-    teacher_folder = save_reward_model(reward_model(_tiny_bert(minilm_tokenizer, 1), minilm_tokenizer, "tiny-teacher"),
-                                       root / "teacher", {"stage": "teacher"})
-    student_folder = save_reward_model(reward_model(_tiny_bert(minilm_tokenizer, 0), minilm_tokenizer, "tiny-student"),
-                                       root / "student", {"method": "anchor", "teacher": "tiny-teacher"})
+    teacher_folder = tiny_model_folder(root / "teacher", minilm_tokenizer, 1, 64, "tiny-teacher", {"stage": "teacher"})
+    student_folder = tiny_model_folder(root / "student", minilm_tokenizer, 0, 64, "tiny-student",
+                                       {"method": "anchor", "teacher": "tiny-teacher"})
     # As experiment._gold_stage / _log_model do: the teacher's folder as the run's model/ artifacts.
     with mlflow.start_run(experiment_id=experiment_id, run_name="teacher") as teacher_run:
         mlflow.set_tags({"anchor_rm.stage": "teacher"})
@@ -350,7 +336,7 @@ def test_score_sets_marks_the_id_set_and_matches_evaluate_pairs(tiny_bert, minil
 def test_reward_model_folder_reads_a_pyfunc_model(store, tmp_path):
     import mlflow
 
-    from anchor_rm.evaluation import reward_model_folder
+    from anchor_rm.mlflow_edge.model_package import reward_model_folder
     from anchor_rm.models import ModelError
 
     local = Path(mlflow.artifacts.download_artifacts(artifact_uri=f"models:/{REGISTERED}/1",

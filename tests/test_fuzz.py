@@ -22,7 +22,7 @@ from mlflow.tracking import MlflowClient
 from schemathesis.generation import GenerationMode
 
 from helpers import ROOT
-from test_service_http import KEY, NAME, PROMPTS, RESPONSES, http, server, store  # noqa: F401 (fixtures)
+from service_fixtures import KEY, NAME, PROMPTS, RESPONSES
 
 sys.path.insert(0, str(ROOT / "bench"))
 import load_service  # noqa: E402

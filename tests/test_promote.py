@@ -11,12 +11,10 @@ import mlflow
 import pytest
 from mlflow.tracking import MlflowClient
 
-from anchor_rm import promotion, promotion_text, registry
-from anchor_rm.encoding import RewardEncoder
+from anchor_rm import promotion, promotion_text, report_summary
+from anchor_rm.mlflow_edge import registry
 from anchor_rm.report import SplitResult, build_report
-from anchor_rm.tracking import configure
-from anchor_rm.workflow import RewardModel, save_reward_model
-from helpers import PYTHON, ROOT, run_pipeline
+from helpers import PYTHON, ROOT, register_version, run_pipeline, sqlite_store, tiny_model_folder
 
 NAME = registry.default_model_name("helpful")
 DIGESTS = {"hh-helpful-base/id_test": "a" * 64, "ultrafeedback/test": "b" * 64, "pandalm/test": "c" * 64,
@@ -41,32 +39,20 @@ def make_report(id_acc: float = 60.0, ood: tuple[float, ...] = (55.0, 53.0), *, 
 @pytest.fixture
 def store(tmp_path, monkeypatch):
     """A fresh SQLite tracking store and registry, artifacts beside it."""
-    for variable in ("MLFLOW_TRACKING_URI", "MLFLOW_REGISTRY_URI"):
-        monkeypatch.delenv(variable, raising=False)
     monkeypatch.setenv("MLFLOW_ENABLE_ARTIFACTS_PROGRESS_BAR", "false")
-    before = mlflow.get_tracking_uri(), mlflow.get_registry_uri()
-    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
-    configure(uri, "promotion-tests")
-    yield uri
-    mlflow.set_tracking_uri(before[0])
-    mlflow.set_registry_uri(before[1])
+    with sqlite_store(tmp_path, "promotion-tests") as uri:
+        yield uri
 
 
 @pytest.fixture
-def model_folder(tmp_path, tiny_bert, minilm_tokenizer):
-    rm = RewardModel(tiny_bert(0), minilm_tokenizer, RewardEncoder(minilm_tokenizer, 64, decoder=False), "tiny-bert")
-    return save_reward_model(rm, tmp_path / "model")
+def model_folder(tmp_path, minilm_tokenizer):
+    return tiny_model_folder(tmp_path / "model", minilm_tokenizer, max_length=64)
 
 
 @pytest.fixture
 def register(store, model_folder):
     """Register a new version with its report (and point `challenger` at it); returns the version."""
-
-    def make(report, name: str = NAME) -> str:
-        with mlflow.start_run():
-            return registry.log_and_register(model_folder, report, name).version
-
-    return make
+    return lambda report, name=NAME: register_version(model_folder, report, name)
 
 
 def aliases(name: str = NAME) -> dict[str, str]:
@@ -187,8 +173,8 @@ def test_report_for_other_validation_splits_is_refused_unless_forced(register):
     assert [g.name for g in result.decision.failed_gates] == ["validation splits", "mean OOD NTS (val)"]
     detail = result.decision.failed_gates[0].detail
     assert "report for other validation splits" in detail
-    assert registry.validation_splits_digest(result.decision.candidate.report) in detail
-    assert registry.validation_splits_digest(result.decision.champion.report) in detail
+    assert report_summary.validation_splits_digest(result.decision.candidate.report) in detail
+    assert report_summary.validation_splits_digest(result.decision.champion.report) in detail
     assert "ultrafeedback (ood, n=200)" in detail
     v3 = register(make_report(ood=(70.0, 70.0), targets=("ultrafeedback", "llmbar")))  # another OOD target
     assert promote().status == "refused"

@@ -6,7 +6,7 @@ import pytest
 
 from anchor_rm.experiment import SharedStages
 from anchor_rm.splits import ProtocolSplits
-from anchor_rm.tracking import StageRun
+from anchor_rm.mlflow_edge.runs import StageRun
 
 
 def _scores(**accuracies) -> dict:

@@ -25,14 +25,13 @@ import mlflow
 import pytest
 from mlflow.tracking import MlflowClient
 
-from anchor_rm import registry
-from anchor_rm.encoding import RewardEncoder
+from anchor_rm.mlflow_edge import registry
+from anchor_rm.mlflow_edge.store import configure
+from anchor_rm.mlflow_edge.writer import OUTAGE_ENV, BufferedRunWriter, TrackingUnavailable, outage_seconds_from_env
 from anchor_rm.report import SplitResult, build_report
-from anchor_rm.tracking import configure
-from anchor_rm.workflow import RewardModel, save_reward_model
-from helpers import (PYTHON, ROOT, free_port, ray_head, run_pipeline, start_mlflow_server,
-                     stop_process_group)
-from tuning.trainable import KILL_WORKER_ENV, OUTAGE_ENV, TrackingUnavailable, _MlflowLogger, outage_seconds_from_env
+from helpers import (PYTHON, ROOT, free_port, ray_head, run_pipeline, start_mlflow_server, stop_process_group,
+                     tiny_model_folder)
+from tuning.trainable import STEP_HOOK_ENV
 
 NAME = "anchor-rm-helpful"
 
@@ -71,7 +70,7 @@ def test_metrics_logged_during_a_tracking_server_outage_all_arrive_once(tmp_path
     port, server, client, run_id = _server_with_a_run(tmp_path, monkeypatch)
     uri = client.tracking_uri
     try:
-        logger = _MlflowLogger(uri, run_id, active=True, outage_seconds=180)
+        logger = BufferedRunWriter(uri, run_id, active=True, outage_seconds=180)
         for step in range(5):
             logger.add({"train/loss": 1.0 / (step + 1), "train/lr": 1e-4}, step)
         logger.deliver()
@@ -112,7 +111,7 @@ def test_tracking_outage_longer_than_allowed_fails_loudly_and_keeps_the_values(t
     _, server, client, run_id = _server_with_a_run(tmp_path, monkeypatch)
     uri = client.tracking_uri
     stop_process_group(server)
-    logger = _MlflowLogger(uri, run_id, active=True, outage_seconds=4)
+    logger = BufferedRunWriter(uri, run_id, active=True, outage_seconds=4)
     logger.add({"val/mean_nts": 1.5}, 0)
     started = time.monotonic()
     with pytest.raises(TrackingUnavailable) as err:
@@ -131,18 +130,6 @@ def test_a_bad_outage_limit_is_refused_naming_the_variable(raw):
 
 
 # --- unwritable or full artifact location --------------------------------------------------------------
-
-
-def _tiny_model_folder(path: Path, tokenizer) -> Path:
-    import torch
-    from transformers import BertConfig, BertForSequenceClassification
-
-    torch.manual_seed(0)
-    config = BertConfig(vocab_size=tokenizer.vocab_size, hidden_size=32, num_hidden_layers=2, num_attention_heads=2,
-                        intermediate_size=64, num_labels=1, pad_token_id=tokenizer.pad_token_id)
-    rm = RewardModel(BertForSequenceClassification(config), tokenizer, RewardEncoder(tokenizer, 48, decoder=False),
-                     "tiny-bert")
-    return save_reward_model(rm, path)
 
 
 def _report():
@@ -215,7 +202,7 @@ def test_unwritable_artifact_location_is_one_line_and_exit_2(tmp_path, case, req
 @pytest.mark.slow
 def test_disk_full_while_logging_the_model_creates_no_version(tmp_path, full_disk, minilm_tokenizer,
                                                               restore_mlflow_uris):
-    folder = _tiny_model_folder(tmp_path / "model", minilm_tokenizer)  # ~4 MB of weights: more than the disk
+    folder = tiny_model_folder(tmp_path / "model", minilm_tokenizer, max_length=48)  # ~4 MB of weights: more than the disk
     store = f"sqlite:///{tmp_path / 'mlflow.db'}"
     mlflow.set_tracking_uri(store)
     mlflow.set_registry_uri(store)
@@ -229,7 +216,7 @@ def test_disk_full_while_logging_the_model_creates_no_version(tmp_path, full_dis
 
 @pytest.mark.slow
 def test_failure_after_the_version_exists_removes_it(tmp_path, minilm_tokenizer, restore_mlflow_uris, monkeypatch):
-    folder = _tiny_model_folder(tmp_path / "model", minilm_tokenizer)
+    folder = tiny_model_folder(tmp_path / "model", minilm_tokenizer, max_length=48)
     configure(f"sqlite:///{tmp_path / 'mlflow.db'}", "half-written")
     with mlflow.start_run():
         first = registry.log_and_register(folder, _report(), NAME)
@@ -251,7 +238,8 @@ def test_a_trial_that_fails_is_marked_failed_with_its_error(tmp_path, restore_ml
     """What Tune's callback writes when a trial gives up, e.g. after the tracking server stayed away."""
     from ray.tune.error import TuneError
 
-    from tuning.callbacks import PARENT_TAG, TRIAL_TAG, MlflowTrialStatus
+    from anchor_rm.mlflow_edge.keys import PARENT_TAG, TRIAL_TAG
+    from tuning.callbacks import MlflowTrialStatus
 
     store = f"sqlite:///{tmp_path / 'mlflow.db'}"
     client = MlflowClient(store, registry_uri=store)
@@ -276,7 +264,7 @@ def test_a_trial_that_fails_is_marked_failed_with_its_error(tmp_path, restore_ml
 
 @pytest.mark.slow
 def test_a_file_with_no_pair_left_after_filtering_is_one_line_naming_it(tmp_path, minilm_tokenizer):
-    folder = _tiny_model_folder(tmp_path / "model", minilm_tokenizer)
+    folder = tiny_model_folder(tmp_path / "model", minilm_tokenizer, max_length=48)
     data = tmp_path / "all-ties.jsonl"
     data.write_bytes(b'{"prompt": "p", "chosen": "same", "rejected": "same"}\n'
                      b'{"prompt": "q", "chosen": "  ", "rejected": "b"}\n'
@@ -337,7 +325,7 @@ def _assert_history_explained(client: MlflowClient, run_id: str, steps_per_epoch
 def test_tune_survives_a_killed_worker_and_a_killed_driver(tmp_path):
     marker = tmp_path / "worker-killed"
     kill_step = 8  # smoke: 48 pairs, batch 8 -> 6 steps per epoch; step 8 is mid-way through epoch 1
-    env = {KILL_WORKER_ENV: f"{kill_step}:{marker}"}
+    env = {STEP_HOOK_ENV: f"{Path(__file__).parent / 'fault_hooks.py'}:kill_once_at:{kill_step}:{marker}"}
     port = free_port()
     uri = f"http://127.0.0.1:{port}"
     server = start_mlflow_server(tmp_path, port)
@@ -416,3 +404,19 @@ def test_tune_survives_a_killed_worker_and_a_killed_driver(tmp_path):
                     assert max(_steps(client, trial.info.run_id, "train/loss")) == 11  # it finished epoch 1
     finally:
         stop_process_group(server)  # the restarted one
+
+
+def test_the_step_hook_is_loaded_from_its_file_and_bad_specs_are_named(tmp_path):
+    from tuning.trainable import load_step_hook
+
+    assert load_step_hook(None) is None and load_step_hook("") is None
+    hook_file = tmp_path / "hooks.py"
+    hook_file.write_text("calls = []\n\ndef record(step, rank, argument):\n    calls.append((step, rank, argument))\n"
+                         "    raise RuntimeError(f'{step} {rank} {argument}')\n")
+    hook = load_step_hook(f"{hook_file}:record:8:/tmp/x")
+    with pytest.raises(RuntimeError, match="3 0 8:/tmp/x"):
+        hook(3, 0)
+    with pytest.raises(ValueError, match="no Python file"):
+        load_step_hook(f"{tmp_path / 'missing.py'}:record")
+    with pytest.raises(ValueError, match="has no function 'nope'"):
+        load_step_hook(f"{hook_file}:nope")

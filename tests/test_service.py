@@ -11,16 +11,14 @@ import threading
 import time
 
 import httpx
-import mlflow
 import numpy as np
 import pytest
 from mlflow.tracking import MlflowClient
 
-from anchor_rm import registry, scoring
-from anchor_rm.encoding import RewardEncoder
+from anchor_rm import scoring
 from anchor_rm.report import SplitResult, build_report
-from anchor_rm.tracking import configure
-from anchor_rm.workflow import RewardModel, load_saved, save_reward_model
+from anchor_rm.workflow import load_saved
+from helpers import register_version, sqlite_store, tiny_model_folder
 from service import schemas
 from service.config import Settings, SettingsError, load_settings
 from service.guard import HEALTH_PATHS, ApiGuard, validation_message
@@ -294,23 +292,15 @@ def _report():
 
 
 @pytest.fixture
-def registered(tmp_path, monkeypatch, tiny_bert, minilm_tokenizer):
-    for variable in ("MLFLOW_TRACKING_URI", "MLFLOW_REGISTRY_URI"):
-        monkeypatch.delenv(variable, raising=False)
+def registered(tmp_path, monkeypatch, minilm_tokenizer):
     monkeypatch.setenv("MLFLOW_ENABLE_ARTIFACTS_PROGRESS_BAR", "false")
-    before = mlflow.get_tracking_uri(), mlflow.get_registry_uri()
-    configure(f"sqlite:///{tmp_path / 'mlflow.db'}", "service-tests")
-    folders = {}
-    for seed in (0, 1):
-        rm = RewardModel(tiny_bert(seed), minilm_tokenizer, RewardEncoder(minilm_tokenizer, 32, decoder=False), "tiny-bert")
-        folder = save_reward_model(rm, tmp_path / f"model{seed}")
-        with mlflow.start_run():
-            version = registry.log_and_register(folder, _report(), "anchor-rm-helpful").version
-        folders[version] = folder
-    MlflowClient().set_registered_model_alias("anchor-rm-helpful", "champion", "1")
-    yield folders
-    mlflow.set_tracking_uri(before[0])
-    mlflow.set_registry_uri(before[1])
+    with sqlite_store(tmp_path, "service-tests"):
+        folders = {}
+        for seed in (0, 1):
+            folder = tiny_model_folder(tmp_path / f"model{seed}", minilm_tokenizer, seed)
+            folders[register_version(folder, _report(), "anchor-rm-helpful")] = folder
+        MlflowClient().set_registered_model_alias("anchor-rm-helpful", "champion", "1")
+        yield folders
 
 
 def test_served_model_scores_like_the_library_and_carries_its_report(registered, tmp_path):

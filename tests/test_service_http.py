@@ -10,7 +10,6 @@ import math
 import os
 import random
 import select
-import subprocess
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -18,106 +17,15 @@ from http.client import HTTPConnection
 from pathlib import Path
 
 import httpx
-import mlflow
 import numpy as np
 import pytest
 from mlflow.tracking import MlflowClient
 
-from anchor_rm import registry
-from anchor_rm.encoding import RewardEncoder
 from anchor_rm.precision import resolve_precision
-from anchor_rm.report import SplitResult, build_report
-from anchor_rm.tracking import configure
-from anchor_rm.workflow import RewardModel, load_saved, save_reward_model
-from helpers import ROOT, free_port, wait_http
-from service.config import KEEP_ALIVE_SECONDS, serve_command
+from service.config import KEEP_ALIVE_SECONDS
+from service_fixtures import KEY, MAX_LENGTH, NAME, PROMPTS, RESPONSES, SECRET_TEXT, served_report
 
 pytestmark = pytest.mark.slow
-
-NAME = "anchor-rm-helpful"
-KEY = "test-key-7f3a9c"
-SECRET_TEXT = "ZEBRA-QUOKKA-4471"  # sent in bodies; must never reach the server log
-MAX_LENGTH = 48
-LIMITS = {"ANCHOR_RM_MAX_ITEMS": "8", "ANCHOR_RM_MAX_CANDIDATES": "4", "ANCHOR_RM_MAX_TEXT_BYTES": "4000",
-          "ANCHOR_RM_MAX_BODY_BYTES": "200000"}
-
-
-def _report(mean_ood: float):
-    rows = [SplitResult("hh-helpful-base", "id", "test", 470, 60.0, 61.0, None, 0.0),
-            SplitResult("pandalm", "ood", "test", 300, 50.0, mean_ood, None, 0.0)]
-    model = {"name": NAME, "student": "tiny-bert", "teacher": "tiny-teacher", "method": "anchor", "hyperparameters": {}}
-    return build_report(model, rows, selection_splits="val", figure_splits="test",
-                        data_digests={"hh-helpful-base/id_test": "a" * 64, "pandalm/test": "b" * 64})
-
-
-@pytest.fixture(scope="module")
-def store(tmp_path_factory, minilm_tokenizer):
-    """Two registered versions of tiny random BERTs (different seeds), champion on version 1."""
-    from transformers import BertConfig, BertForSequenceClassification
-    import torch
-
-    workdir = tmp_path_factory.mktemp("service")
-    before = mlflow.get_tracking_uri(), mlflow.get_registry_uri()
-    uri = f"sqlite:///{workdir / 'mlflow.db'}"
-    saved_env = {k: os.environ.pop(k, None) for k in ("MLFLOW_TRACKING_URI", "MLFLOW_REGISTRY_URI")}
-    configure(uri, "service-http-tests")
-    folders = {}
-    for seed in (0, 1):
-        torch.manual_seed(seed)
-        config = BertConfig(vocab_size=minilm_tokenizer.vocab_size, hidden_size=32, num_hidden_layers=2,
-                            num_attention_heads=2, intermediate_size=64, num_labels=1, hidden_dropout_prob=0.0,
-                            attention_probs_dropout_prob=0.0, pad_token_id=minilm_tokenizer.pad_token_id)
-        rm = RewardModel(BertForSequenceClassification(config), minilm_tokenizer,
-                         RewardEncoder(minilm_tokenizer, MAX_LENGTH, decoder=False), "tiny-bert")
-        folder = save_reward_model(rm, workdir / f"model{seed}")
-        with mlflow.start_run():
-            version = registry.log_and_register(folder, _report(54.0 + seed), NAME).version
-        folders[version] = folder
-    MlflowClient().set_registered_model_alias(NAME, "champion", "1")
-    scorers = {v: load_saved(f).scorer() for v, f in folders.items()}
-    yield {"uri": uri, "workdir": workdir, "scorers": scorers}
-    mlflow.set_tracking_uri(before[0])
-    mlflow.set_registry_uri(before[1])
-    for k, v in saved_env.items():
-        if v is not None:
-            os.environ[k] = v
-
-
-@pytest.fixture(scope="module")
-def server(store):
-    """`bentoml serve` without --host: the service's own default must bind 127.0.0.1."""
-    workdir = store["workdir"]
-    port = free_port()
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("ANCHOR_RM_", "BENTOML_", "MLFLOW_"))}
-    env.update({"MLFLOW_TRACKING_URI": store["uri"], "BENTOML_HOME": str(workdir / "bentoml"), "BENTOML_DO_NOT_TRACK": "true",
-                "ANCHOR_RM_API_KEY": KEY, "ANCHOR_RM_POLL_SECONDS": "2", "ANCHOR_RM_DOWNLOAD_DIR": str(workdir / "downloads"),
-                "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false", **LIMITS})
-    log_path = workdir / "bentoml-serve.log"
-    log = open(log_path, "w")
-    proc = subprocess.Popen(serve_command(port),
-                            cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
-    try:
-        wait_http(f"http://127.0.0.1:{port}/readyz", timeout=180, proc=proc)
-        yield {"url": f"http://127.0.0.1:{port}", "port": port, "log": log_path, "proc": proc}
-    finally:
-        proc.terminate()
-        try:
-            proc.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, 9)
-        log.close()
-
-
-@pytest.fixture(scope="module")
-def http(server):
-    with httpx.Client(base_url=server["url"], headers={"Authorization": f"Bearer {KEY}"}, timeout=60) as client:
-        yield client
-
-
-PROMPTS = ["How do I boil an egg?", "Human: tell me a joke\n\nAssistant:", "word " * 80, f"What is {SECRET_TEXT}?"]
-RESPONSES = ["Put it in boiling water for eight minutes.", "Why did the chicken cross the road?", "Short.",
-             "I do not know that word."]
-
 
 def _library(store, version, prompts, responses):
     return store["scorers"][version].score(prompts, responses)
@@ -224,11 +132,11 @@ def test_model_and_report(store, http):
     info = http.post("/model").json()
     assert (info["name"], info["version"], info["alias"]) == (NAME, "1", "champion")
     assert info["run_id"] == MlflowClient().get_model_version(NAME, "1").run_id
-    assert info["headline_metrics"]["mean_nts"] == pytest.approx(_report(54.0).mean_nts, abs=0.01)
+    assert info["headline_metrics"]["mean_nts"] == pytest.approx(served_report(54.0).mean_nts, abs=0.01)
     assert info["max_length"] == MAX_LENGTH and "left" in info["truncation_policy"]
     assert info["precision"] == resolve_precision("auto")  # ANCHOR_RM_PRECISION unset: the hardware decides
     report = http.post("/report").json()
-    assert report["mean_nts"] == pytest.approx(_report(54.0).mean_nts)
+    assert report["mean_nts"] == pytest.approx(served_report(54.0).mean_nts)
     assert [row["dataset"] for row in report["splits"]] == ["hh-helpful-base", "pandalm"]
 
 

@@ -5,41 +5,19 @@ from __future__ import annotations
 
 import logging
 
-from mlflow.entities import RunStatus
-from mlflow.tracking import MlflowClient
 from ray.tune import Callback
 
+from anchor_rm.mlflow_edge import keys, runs
+
 log = logging.getLogger("anchor_rm")
-
-TRIAL_TAG = "anchor_rm.trial_id"
-PARENT_TAG = "mlflow.parentRunId"
-
-
-def find_child_run(client: MlflowClient, experiment_id: str, parent_run_id: str, trial_id: str) -> str | None:
-    runs = client.search_runs(
-        [experiment_id],
-        filter_string=f"tags.`{PARENT_TAG}` = '{parent_run_id}' and tags.`{TRIAL_TAG}` = '{trial_id}'",
-        max_results=1,
-    )
-    return runs[0].info.run_id if runs else None
 
 
 def child_run_for_trial(payload, trial_id: str, trial_name: str, train_cfg) -> str:
     """The trial's MLflow run: created on its first start, reused when the trial restarts or resumes."""
-    client = MlflowClient(payload.tracking_uri)
-    run_id = find_child_run(client, payload.experiment_id, payload.parent_run_id, trial_id)
-    if run_id is not None:
-        client.update_run(run_id, status="RUNNING")
-        return run_id
-    tags = {PARENT_TAG: payload.parent_run_id, TRIAL_TAG: trial_id, "mlflow.runName": trial_name,
-            "anchor_rm.stage": "trial", "anchor_rm.method": train_cfg.method, **payload.tags}
-    run = client.create_run(payload.experiment_id, tags=tags)
     params = {f"train.{k}": str(v) for k, v in train_cfg.to_dict().items()}
     params.update({"student": payload.cfg.student, "teacher": payload.cfg.teacher, "num_workers": str(payload.num_workers)})
-    from mlflow.entities import Param
-
-    client.log_batch(run.info.run_id, params=[Param(k, v) for k, v in params.items()])
-    return run.info.run_id
+    return runs.trial_run(payload.tracking_uri, payload.experiment_id, payload.parent_run_id, trial_id, trial_name,
+                          tags={keys.METHOD_TAG: train_cfg.method, **payload.tags}, params=params)
 
 
 class MlflowTrialStatus(Callback):
@@ -53,24 +31,23 @@ class MlflowTrialStatus(Callback):
         self.experiment_id = experiment_id
         self.parent_run_id = parent_run_id
 
-    def _close(self, trial, status: str, note: str) -> None:
+    def _close(self, trial, failed: bool, note: str) -> None:
+        status = "FAILED" if failed else "FINISHED"
         try:
-            client = MlflowClient(self.tracking_uri)
-            run_id = find_child_run(client, self.experiment_id, self.parent_run_id, trial.trial_id)
+            run_id = runs.find_trial_run(self.tracking_uri, self.experiment_id, self.parent_run_id, trial.trial_id)
             if run_id is None:
                 return
-            client.set_tag(run_id, "anchor_rm.trial_outcome", note[:5000])
-            client.set_terminated(run_id, status=status)
+            runs.end_run(self.tracking_uri, run_id, failed, note)
         except Exception as exc:  # the tracking server may be the failure: say so, and let Tune carry on
             log.error("trial %s: could not mark its MLflow run %s (%s): %s", trial.trial_id, status, note[:300],
                       str(exc).splitlines()[0][:300])
 
     def on_trial_complete(self, iteration, trials, trial, **info):
         epochs = (trial.last_result or {}).get("training_iteration", 0)
-        self._close(trial, RunStatus.to_string(RunStatus.FINISHED), f"completed after {epochs} epoch(s)")
+        self._close(trial, False, f"completed after {epochs} epoch(s)")
 
     def on_trial_error(self, iteration, trials, trial, **info):
-        self._close(trial, RunStatus.to_string(RunStatus.FAILED), f"failed: {error_summary(trial)}")
+        self._close(trial, True, f"failed: {error_summary(trial)}")
 
 
 def error_summary(trial) -> str:

@@ -1,17 +1,22 @@
 """After the search: the selected model and the baselines evaluated once on the test splits, the comparison
-and the NTS-against-lambda chart, and the registry version that carries them."""
+and the NTS-against-lambda chart, and the registry version that carries them (`register_selected`)."""
 
 from __future__ import annotations
 
 import json
 import logging
 import math
+import tempfile
+from dataclasses import dataclass
 from pathlib import Path
 
+from anchor_rm.config import ProtocolConfig
 from anchor_rm.experiment import SharedStages, final_report
+from anchor_rm.mlflow_edge import keys, runs
+from anchor_rm.mlflow_edge.registry import RegisteredVersion, log_and_register
 from anchor_rm.report import EvaluationReport
 from anchor_rm.workflow import load_saved
-from tuning.search import TrialOutcome
+from tuning.search import TrialOutcome, best_trial
 
 log = logging.getLogger("anchor_rm")
 
@@ -90,3 +95,43 @@ def outcomes_json(baselines: list[TrialOutcome], anchor: list[TrialOutcome], pat
     rows = [{"search": "baselines", **o.__dict__} for o in baselines] + [{"search": "anchor", **o.__dict__} for o in anchor]
     path.write_text(json.dumps(rows, indent=2, default=str))
     return path
+
+
+@dataclass
+class FinalResult:
+    report: EvaluationReport  # the selected model's, on the test splits
+    comparison: str  # the selected model and the baselines side by side (Markdown)
+    version: RegisteredVersion
+
+
+def register_selected(shared: SharedStages, cfg: ProtocolConfig, baselines: list[TrialOutcome],
+                      anchor: list[TrialOutcome], registered_name: str) -> FinalResult:
+    """The post-search protocol, in a nested "final-evaluation" run of the active tune run: the best ANCHOR
+    trial by validation NTS (search.best_trial) and the baselines, each evaluated once on the test splits;
+    the comparison, the chart and the trials as artifacts; the selected model registered with its report
+    under the alias `challenger`."""
+    selected = best_trial(anchor)
+    log.info("selected %s (val mean NTS %+.2f)", selected.config, selected.val_mean_nts)
+    with runs.start_run(run_name="final-evaluation", nested=True) as final_run_id, \
+            tempfile.TemporaryDirectory() as tmp:
+        runs.set_tags({keys.STAGE_TAG: "final", **shared.tags()})
+        train_dict = cfg.student_train.to_dict()
+        reports, folders = {}, {}
+        candidates = [("selected", selected)] + [(f"{b.config['method']} W2S", b) for b in baselines if b.checkpoint_path]
+        for label, outcome in candidates:
+            folders[label] = checkpoint_folder(outcome, Path(tmp) / label.replace(" ", "_"))
+            reports[label] = evaluate_outcome(shared, outcome, folders[label], cfg.student, cfg.teacher,
+                                              cfg.eval_batch_size, train_dict, cfg.precision)
+        selected_label = f"ANCHOR {selected.config['anchor_layers']} lambda={selected.config['anchor_lambda']:.2g} (selected)"
+        reports = {selected_label if k == "selected" else k: v for k, v in reports.items()}
+        report = reports[selected_label]
+        report.model["run_id"] = final_run_id
+        comparison = Path(tmp) / "comparison.md"
+        comparison.write_text(comparison_table(reports) + "\n")
+        chart = nts_lambda_chart(anchor, baselines, Path(tmp) / "nts_vs_lambda.png")
+        trials = outcomes_json(baselines, anchor, Path(tmp) / "trials.json")
+        runs.log_report(report)
+        version = log_and_register(folders["selected"], report, registered_name,
+                                   extra_artifacts={"comparison.md": str(comparison), "nts_vs_lambda.png": str(chart),
+                                                    "trials.json": str(trials)})
+    return FinalResult(report, comparison_table(reports), version)

@@ -18,9 +18,10 @@ from pathlib import Path
 import ray
 from ray import tune
 
+from anchor_rm.mlflow_edge.writer import OUTAGE_ENV
 from tuning.callbacks import MlflowTrialStatus, ProgressLog
 from tuning.space import METRIC, make_scheduler, make_searcher
-from tuning.trainable import DRIVER_CPU, KILL_WORKER_ENV, OUTAGE_ENV, SharedPayload, trial_driver
+from tuning.trainable import DRIVER_CPU, STEP_HOOK_ENV, SharedPayload, trial_driver
 
 log = logging.getLogger("anchor_rm")
 
@@ -112,7 +113,7 @@ def best_trial(outcomes: list[TrialOutcome]) -> TrialOutcome:
 # Passed to every Ray worker, including those of a cluster started elsewhere (`ray start`).
 WORKER_ENV_VARS = ("HF_HUB_OFFLINE", "TOKENIZERS_PARALLELISM", "TRANSFORMERS_VERBOSITY", "HF_HUB_DISABLE_PROGRESS_BARS",
                    "ANCHOR_RM_CACHE", "ANCHOR_RM_DATA_DIR", "MLFLOW_TRACKING_URI", OUTAGE_ENV,
-                   "MLFLOW_HTTP_REQUEST_MAX_RETRIES", "MLFLOW_HTTP_REQUEST_BACKOFF_FACTOR", KILL_WORKER_ENV)
+                   "MLFLOW_HTTP_REQUEST_MAX_RETRIES", "MLFLOW_HTTP_REQUEST_BACKOFF_FACTOR", STEP_HOOK_ENV)
 
 
 def init_ray(address: str | None, num_cpus: int | None = None) -> None:

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import logging
 import os
-import signal
 import tempfile
 import time
 from dataclasses import dataclass, field
@@ -26,30 +25,29 @@ from tuning.space import METRIC, trial_method_config
 TRAINING_STATE = "training_state.pt"
 log = logging.getLogger("anchor_rm")
 
-# Test-only fault injection (tests/test_reliability.py): "<step>:<marker file>" makes the rank-0 worker
-# SIGKILL itself when it finishes that training step, once (the marker file remembers), so that a test can
-# watch Ray Train restore the trial from its last checkpoint. Unset, nothing happens.
-KILL_WORKER_ENV = "ANCHOR_RM_TEST_KILL_WORKER_AT"
-# Ray Train's controller collects a worker's reports (and so its checkpoints) when it polls the worker, every
-# RAY_TRAIN_HEALTH_CHECK_INTERVAL_S (2 s by default). A checkpoint reported but not yet collected dies with
-# the worker, and the restart begins from the one before. The hook waits two polls before it kills, so that
-# the test's kill always lands after the epoch's checkpoint is known (on a fast CPU steps 6-8 take under 2 s).
-_HEALTH_CHECK_INTERVAL_S = float(os.environ.get("RAY_TRAIN_HEALTH_CHECK_INTERVAL_S", "2.0"))
+# A function every worker calls after each training step, named by STEP_HOOK_ENV as
+# "<python file>:<function>[:<argument>]" and called as function(step, rank, argument). Unset (always, in
+# production), nothing is loaded. The fault tests install one (tests/fault_hooks.py) to kill a worker at a
+# chosen step and watch Ray Train restore the trial from its checkpoint.
+STEP_HOOK_ENV = "ANCHOR_RM_TRAIN_STEP_HOOK"
 
 
-def _kill_once_at(step: int) -> None:
-    spec = os.environ.get(KILL_WORKER_ENV)
+def load_step_hook(spec: str | None):
+    """The hook STEP_HOOK_ENV names, as a function of (step, rank); None when unset."""
     if not spec:
-        return
-    at, marker = spec.split(":", 1)
-    if step != int(at):
-        return
-    try:
-        os.close(os.open(marker, os.O_CREAT | os.O_EXCL | os.O_WRONLY))  # atomic: only the first one dies
-    except FileExistsError:
-        return
-    time.sleep(2 * _HEALTH_CHECK_INTERVAL_S + 1)
-    os.kill(os.getpid(), signal.SIGKILL)
+        return None
+    import importlib.util
+
+    path, function, *argument = spec.split(":", 2)
+    module_spec = importlib.util.spec_from_file_location(f"anchor_rm_step_hook_{Path(path).stem}", path)
+    if module_spec is None or not Path(path).is_file():
+        raise ValueError(f"{STEP_HOOK_ENV}: no Python file {path!r} (expected <file.py>:<function>[:<argument>])")
+    module = importlib.util.module_from_spec(module_spec)
+    module_spec.loader.exec_module(module)
+    hook = getattr(module, function, None)
+    if hook is None:
+        raise ValueError(f"{STEP_HOOK_ENV}: {path} has no function {function!r}")
+    return lambda step, rank: hook(step, rank, argument[0] if argument else None)
 
 
 @dataclass
@@ -80,112 +78,19 @@ def _train_config(payload: SharedPayload, config: dict):
     return TrainConfig(**{**payload.cfg.student_train.to_dict(), **trial_method_config(config)})
 
 
-class TrackingUnavailable(RuntimeError):
-    """Metric values could not be delivered to the tracking server within the allowed outage."""
-
-
-OUTAGE_ENV = "ANCHOR_RM_MLFLOW_OUTAGE_SECONDS"
-
-
-def outage_seconds_from_env(environ=os.environ) -> float:
-    """How long a trial waits for an unreachable tracking server before it fails (default 600 s)."""
-    raw = environ.get(OUTAGE_ENV, "600")
-    try:
-        seconds = float(raw)
-    except ValueError:
-        seconds = float("nan")
-    if not 0 < seconds < float("inf"):
-        raise ValueError(f"{OUTAGE_ENV} must be a number of seconds above 0, not {raw!r}")
-    return seconds
-
-
-class _MlflowLogger:
-    """Rank 0's writer to the trial's run: batched, so a remote tracking server sees few requests.
-
-    The server may be unreachable for a while (MLflow's client already retries each request for a few
-    minutes). A batch it did not take stays pending, at most `max_pending` values, and is sent again after a
-    backoff while training goes on. Before each checkpoint `deliver` insists: it retries for up to
-    `outage_seconds` (OUTAGE_ENV, default 600) and then raises TrackingUnavailable,
-    naming the run and how many values are undelivered. The trial then fails loudly (Ray Train retries it
-    from its last checkpoint; Tune marks its run FAILED) instead of checkpointing past metrics that never
-    arrived: no value is dropped silently.
-    """
-
-    BATCH_LIMIT = 1000  # MLflow's log_batch limit
-    FLUSH_AT = 200
-
-    def __init__(self, tracking_uri: str, run_id: str, active: bool, outage_seconds: float | None = None,
-                 max_pending: int = 100_000):
-        from mlflow.tracking import MlflowClient
-
-        self.client = MlflowClient(tracking_uri) if active else None
-        self.tracking_uri = tracking_uri
-        self.run_id = run_id
-        self.pending = []
-        self.outage_seconds = outage_seconds_from_env() if outage_seconds is None else outage_seconds
-        self.max_pending = max_pending
-        self.failures = 0  # consecutive failed attempts
-        self.next_attempt = 0.0  # time.monotonic() before which add() does not try again
-        self.last_error = ""
-
-    def add(self, metrics: dict[str, float], step: int) -> None:
-        if self.client is None:
-            return
-        from mlflow.entities import Metric
-
-        now = int(time.time() * 1000)
-        self.pending += [Metric(key, float(value), now, step) for key, value in metrics.items()]
-        if len(self.pending) >= self.max_pending:
-            self.deliver()  # the buffer is full: wait for the server (or fail) rather than drop values
-        elif len(self.pending) >= self.FLUSH_AT and time.monotonic() >= self.next_attempt:
-            self.flush()
-
-    def flush(self) -> bool:
-        """One attempt to send everything pending. A batch the server did not take stays pending (and the
-        next attempt waits 2, 4, ... 60 s); returns whether nothing is pending any more."""
-        from mlflow.exceptions import MlflowException
-
-        while self.client is not None and self.pending:
-            batch = self.pending[: self.BATCH_LIMIT]
-            try:
-                self.client.log_batch(self.run_id, metrics=batch)
-            except MlflowException as exc:
-                status = exc.get_http_status_code()
-                if 400 <= status < 500 and status != 429:  # the request itself is wrong: retrying cannot help
-                    raise
-                self.failures += 1
-                self.last_error = str(exc).splitlines()[0][:300]
-                delay = min(60.0, 2.0 ** self.failures)
-                self.next_attempt = time.monotonic() + delay
-                log.warning("MLflow run %s: %d metric values not delivered yet (%s); next attempt in %.0f s",
-                            self.run_id, len(self.pending), self.last_error, delay)
-                return False
-            del self.pending[: len(batch)]
-        self.failures, self.next_attempt = 0, 0.0
-        return True
-
-    def deliver(self) -> None:
-        """Send everything pending, retrying with backoff for up to outage_seconds; raise if that fails."""
-        deadline = time.monotonic() + self.outage_seconds
-        while not self.flush():
-            if time.monotonic() >= deadline:
-                raise TrackingUnavailable(
-                    f"MLflow tracking server {self.tracking_uri} unreachable for over {self.outage_seconds:.0f} s: "
-                    f"{len(self.pending)} metric values of run {self.run_id} not delivered ({self.last_error})")
-            time.sleep(max(0.0, min(self.next_attempt, deadline) - time.monotonic()))
-
-
 def train_loop_per_worker(config: dict) -> None:
-    """Ray Train's per-worker function: build the student, resume from the latest checkpoint if any, train,
-    and after each epoch evaluate on the validation splits (rank 0), checkpoint and report."""
+    """Ray Train's per-worker function: build the student, resume from the latest checkpoint if any, train
+    (student.train_student: one student run, as everywhere), and after each epoch measure on the validation
+    splits (rank 0), checkpoint and report."""
     import resource
 
     import ray.train
     import ray.train.torch
 
-    from anchor_rm.experiment import validation_metrics
-    from anchor_rm.workflow import (evaluate_model, load_pretrained, load_saved, save_reward_model, scores_from_dict,
-                                    train_on_pairs)
+    from anchor_rm.mlflow_edge import keys, runs
+    from anchor_rm.mlflow_edge.writer import BufferedRunWriter
+    from anchor_rm.student import NoSink, Validation, train_student
+    from anchor_rm.workflow import load_pretrained, load_saved, save_reward_model, scores_from_dict
 
     payload: SharedPayload = config["payload"]
     torch.set_num_threads(payload.threads_per_worker)
@@ -194,6 +99,7 @@ def train_loop_per_worker(config: dict) -> None:
     context = ray.train.get_context()
     rank = context.get_world_rank()
     device = ray.train.torch.get_device()
+    run_id = config["mlflow_run_id"]
 
     start_epoch, optimizer_state = 0, None
     checkpoint = ray.train.get_checkpoint()
@@ -207,45 +113,39 @@ def train_loop_per_worker(config: dict) -> None:
     rm.model.to(device).train()
     # The frozen reference's states: computed once by the driver, shared by every trial via the object store.
     reference = ray.get(payload.reference_states) if train_cfg.uses_anchor else None
-    logger = _MlflowLogger(payload.tracking_uri, config["mlflow_run_id"], active=rank == 0)
-    if start_epoch and rank == 0:
-        logger.client.set_tag(config["mlflow_run_id"], "anchor_rm.resumed_from_epoch", str(start_epoch - 1))
-    teacher_val = scores_from_dict(payload.teacher_val)
+    writer = BufferedRunWriter(payload.tracking_uri, run_id, active=True) if rank == 0 else None
+    if start_epoch and writer is not None:
+        runs.set_run_tag(payload.tracking_uri, run_id, keys.RESUMED_FROM_EPOCH_TAG, str(start_epoch - 1))
+    validation = None
+    if rank == 0:
+        validation = Validation(payload.splits, scores_from_dict(payload.teacher_val), payload.headline_targets,
+                                cfg.eval_batch_size, cfg.precision)
 
-    # After a restart the steps of the interrupted epoch run (and are logged) again: the first of them carries
-    # train/resumed_from_epoch, so a step logged twice in the history is explained by the metric beside it.
-    resume_marker = [start_epoch > 0]
+    step_hook = load_step_hook(os.environ.get(STEP_HOOK_ENV))
 
-    def on_step(entry) -> None:
-        logger.add({"train/loss": entry.loss, "train/w2s_loss": entry.w2s_loss,
-                    "train/anchor_loss": entry.anchor_loss, "train/lr": entry.learning_rate}, entry.step)
-        if resume_marker[0]:
-            logger.add({"train/resumed_from_epoch": start_epoch - 1}, entry.step)
-            resume_marker[0] = False
-        if rank == 0:
-            _kill_once_at(entry.step)
+    def after_step(entry) -> None:
+        if step_hook is not None:
+            step_hook(entry.step, rank)
 
-    def on_epoch_end(epoch: int, model, opt_state: dict) -> dict:
-        metrics = {}
+    def after_epoch(epoch: int, metrics: dict, opt_state: dict) -> None:
+        # This worker's peak resident memory so far, evaluation included (Linux: ru_maxrss in KiB).
+        peak_rss_mb = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
         with tempfile.TemporaryDirectory() as tmp:
-            if rank == 0:
-                scores = evaluate_model(rm, payload.splits, "val", cfg.eval_batch_size, precision=cfg.precision)
-                metrics = validation_metrics(payload.splits.source, teacher_val, scores, payload.headline_targets)
-                metrics["worker/peak_rss_mb"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
-                logger.add(metrics, epoch)
-                logger.deliver()  # every value up to here reaches MLflow before the checkpoint exists
+            if writer is not None:
+                writer.add({"worker/peak_rss_mb": peak_rss_mb}, epoch)
+                writer.deliver()  # every value up to here reaches MLflow before the checkpoint exists
                 save_reward_model(rm, tmp, {"method": train_cfg.method, "teacher": cfg.teacher})
                 torch.save({"epoch": epoch, "optimizer_state": opt_state}, Path(tmp) / TRAINING_STATE)
             tune_metrics = {METRIC: metrics.get("val/mean_nts", 0.0), "val_wrg": metrics.get("val/wrg", 0.0),
-                            "val_id_acc": metrics.get(f"val/acc/{payload.splits.source}", 0.0), "epoch": epoch,
-                            # This worker's peak resident memory so far, evaluation included (Linux: ru_maxrss in KiB).
-                            "worker_peak_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024}
+                            "val_id_acc": metrics.get(f"val/acc/{keys.metric_name(payload.splits.source)}", 0.0),
+                            "epoch": epoch, "worker_peak_rss_mb": peak_rss_mb}
             ray.train.report(tune_metrics, checkpoint=ray.train.Checkpoint.from_directory(tmp) if rank == 0 else None)
-        return metrics
 
-    train_on_pairs(rm, payload.splits.student_train, payload.soft_labels, train_cfg, reference=reference,
-                   on_step=on_step, on_epoch_end=on_epoch_end, start_epoch=start_epoch, optimizer_state=optimizer_state)
-    logger.deliver()
+    train_student(rm, payload.splits.student_train, payload.soft_labels, train_cfg, writer or NoSink(),
+                  validation=validation, reference=reference, after_step=after_step, after_epoch=after_epoch,
+                  start_epoch=start_epoch, optimizer_state=optimizer_state)
+    if writer is not None:
+        writer.deliver()
 
 
 def trial_driver(config: dict, payload: SharedPayload) -> None:
@@ -292,3 +192,35 @@ def worker_resources(total_cpus: float, concurrency: int, num_workers: int) -> t
     if logical <= 0:
         raise ValueError(f"{total_cpus} CPUs cannot hold {concurrency} concurrent trials of {num_workers} workers")
     return logical, max(1, int(per_trial // num_workers))
+
+
+def make_payload(cfg: ProtocolConfig, shared, *, tracking_uri: str, experiment_id: str, parent_run_id: str,
+                 storage_path: str, workers_per_trial: int, concurrency: int, use_gpu: str) -> SharedPayload:
+    """What every trial shares (experiment.SharedStages -> SharedPayload), sized to the Ray cluster, with the
+    frozen reference's states for every layer choice the search may pick in the object store.
+    `use_gpu`: yes, no, or auto (when the cluster has a GPU)."""
+    import ray
+
+    from anchor_rm.workflow import load_pretrained, reference_states
+    from tuning.space import LAYER_CHOICES
+
+    gpus = ray.cluster_resources().get("GPU", 0)
+    cpus_per_worker, threads_per_worker = worker_resources(ray.cluster_resources().get("CPU", 1), concurrency,
+                                                           workers_per_trial)
+    payload = SharedPayload(
+        cfg=cfg, splits=shared.splits, soft_labels=shared.soft_labels,
+        teacher_val=shared.teacher.outputs["scores"]["val"], headline_targets=shared.headline_targets,
+        tracking_uri=tracking_uri, experiment_id=experiment_id, parent_run_id=parent_run_id,
+        storage_path=storage_path, num_workers=workers_per_trial, cpus_per_worker=cpus_per_worker,
+        threads_per_worker=threads_per_worker, use_gpu=use_gpu == "yes" or (use_gpu == "auto" and gpus > 0),
+        tags=shared.tags(),
+    )
+    started = time.perf_counter()
+    train_cfg = cfg.student_train
+    rm = load_pretrained(cfg.student, train_cfg.max_length, train_cfg.seed)
+    states = reference_states(cfg.student, rm, shared.splits.student_train, LAYER_CHOICES, precision=train_cfg.precision,
+                              batch_size=cfg.eval_batch_size)
+    log.info("reference states for layers %s: %.0f MB in %.0f s", states.layers, states.nbytes() / 1e6,
+             time.perf_counter() - started)
+    payload.reference_states = ray.put(states)
+    return payload

@@ -1,0 +1,29 @@
+"""Faults the reliability tests inject into Ray Train workers, through the trainer's step hook
+(tuning/trainable.py, ANCHOR_RM_TRAIN_STEP_HOOK="<this file>:<function>:<argument>"). Loaded by file path in
+each worker; never imported by the library."""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+
+# Ray Train's controller collects a worker's reports (and so its checkpoints) when it polls the worker, every
+# RAY_TRAIN_HEALTH_CHECK_INTERVAL_S (2 s by default). A checkpoint reported but not yet collected dies with
+# the worker, and the restart begins from the one before. The kill waits two polls, so that it always lands
+# after the epoch's checkpoint is known (on a fast CPU three steps take under 2 s).
+HEALTH_CHECK_INTERVAL_S = float(os.environ.get("RAY_TRAIN_HEALTH_CHECK_INTERVAL_S", "2.0"))
+
+
+def kill_once_at(step: int, rank: int, argument: str) -> None:
+    """argument "<step>:<marker file>": the rank-0 worker SIGKILLs itself when it finishes that training step,
+    once (the marker file, created atomically, remembers it across the restart)."""
+    at, marker = argument.split(":", 1)
+    if rank != 0 or step != int(at):
+        return
+    try:
+        os.close(os.open(marker, os.O_CREAT | os.O_EXCL | os.O_WRONLY))  # atomic: only the first one dies
+    except FileExistsError:
+        return
+    time.sleep(2 * HEALTH_CHECK_INTERVAL_S + 1)
+    os.kill(os.getpid(), signal.SIGKILL)
