@@ -146,10 +146,65 @@ def rank(rewards: Sequence[float]) -> list[int]:
     return sorted(range(len(rewards)), key=lambda i: (-float(rewards[i]), i))
 
 
-def preference_probability(reward_a: float, reward_b: float) -> float:
-    """P(a preferred over b) = sigmoid(r_a - r_b), without overflow for large differences."""
-    d = float(reward_a) - float(reward_b)
-    if d >= 0:
-        return 1.0 / (1.0 + math.exp(-d))
-    e = math.exp(d)
+def sigmoid(x: float) -> float:
+    """1 / (1 + e^-x), without overflow for large |x|."""
+    x = float(x)
+    if x >= 0:
+        return 1.0 / (1.0 + math.exp(-x))
+    e = math.exp(x)
     return e / (1.0 + e)
+
+
+def preference_probability(reward_a: float, reward_b: float) -> float:
+    """P(a preferred over b) = sigmoid(r_a - r_b) (Bradley-Terry)."""
+    return sigmoid(float(reward_a) - float(reward_b))
+
+
+# ---------------------------------------------------------------------------------------------------
+# Conversations and rendered transcripts -> (prompt, response), the pair every scorer takes.
+
+HUMAN, ASSISTANT = "\n\nHuman: ", "\n\nAssistant:"
+
+
+def message_text(content) -> str:
+    """An OpenAI-style message content: a string, or a list of parts of which the text parts count."""
+    if isinstance(content, str):
+        return content
+    if isinstance(content, list):
+        return "".join(part.get("text", "") for part in content if isinstance(part, dict) and part.get("type", "text") == "text")
+    raise ValueError(f"content must be a string or a list of text parts, got {type(content).__name__}")
+
+
+def conversation_to_pair(messages: Sequence[dict]) -> tuple[str, str]:
+    """A conversation ending in the assistant's reply -> (prompt, response). The turns before the reply are
+    rendered as an HH transcript ("\n\nHuman: ...\n\nAssistant: ...", ending in "\n\nAssistant:"), the
+    format of the HH prompts the default models train on; a system message leads as a plain paragraph.
+    (A decoder's encoder then wraps the pair in its chat template, as for any pair.)"""
+    if not messages:
+        raise ValueError("needs at least one message (the assistant's reply to judge)")
+    *turns, last = messages
+    if last.get("role") != "assistant":
+        raise ValueError(f"the last message must be the assistant's reply to judge, not role {last.get('role')!r}")
+    prompt = ""
+    for i, turn in enumerate(turns):
+        role, text = turn.get("role"), message_text(turn.get("content", ""))
+        if role == "system":
+            prompt += text
+        elif role == "user":
+            prompt += HUMAN + text
+        elif role == "assistant":
+            prompt += ASSISTANT + " " + text
+        else:
+            raise ValueError(f"message {i}: role must be system, user or assistant, not {role!r}")
+    return prompt + ASSISTANT, message_text(last.get("content", ""))
+
+
+def split_transcript(text: str) -> tuple[str, str, bool]:
+    """A whole rendered exchange -> (prompt, response, found). An HH transcript splits after its last
+    "\n\nAssistant:"; any other text (another chat template, plain text) is scored whole, as the response
+    to an empty prompt, and found is False."""
+    at = text.rfind(ASSISTANT)
+    if at < 0 or HUMAN not in text[:at + 1]:
+        return "", text, False
+    cut = at + len(ASSISTANT)
+    return text[:cut], text[cut:].removeprefix(" "), True

@@ -1,15 +1,16 @@
 """The ASGI guard in front of the service (plain ASGI, no framework): API key, body size, readable
-validation errors."""
+validation errors, and a clear 503 while the model loads."""
 
 from __future__ import annotations
 
 import hmac
 import json
-from typing import Any, Sequence
+from typing import Any, Callable, Collection, Sequence
 
 from service.schemas import LIMIT_SETTINGS
 
 HEALTH_PATHS = ("/livez", "/healthz", "/readyz")
+RETRY_AFTER_SECONDS = 5  # what a client is told to wait while the model loads
 
 
 def _format_loc(loc: Sequence[Any]) -> str:
@@ -31,15 +32,21 @@ class ApiGuard:
       `X-API-Key: <key>` (compared in constant time); 401 otherwise.
     - Request bodies over max_body_bytes: 413, before the application reads them.
     - A 400 in the framework's pydantic shape gets an "error" naming each failing field.
+    - While `not_ready()` gives a reason (the model is loading, or its load failed and is retried), every
+      path in `model_paths` answers 503 with `Retry-After` and the reason in JSON, and /readyz answers 503
+      with the reason: a client sees why, not a refused connection or a hang.
     Nothing here logs headers or bodies.
     """
 
     def __init__(self, app, *, api_key: str | None = None, open_paths: Sequence[str] = HEALTH_PATHS,
-                 max_body_bytes: int = 64 * 1024 * 1024):
+                 max_body_bytes: int = 64 * 1024 * 1024, not_ready: Callable[[], str | None] | None = None,
+                 model_paths: Collection[str] = ()):
         self.app = app
         self._key = api_key.encode() if api_key else None
         self.open_paths = frozenset(open_paths)
         self.max_body_bytes = max_body_bytes
+        self.not_ready = not_ready
+        self.model_paths = frozenset(model_paths)
 
     def _matches(self, given: bytes | None, expected: bytes | None) -> bool:
         return bool(given) and expected is not None and hmac.compare_digest(given, expected)
@@ -59,6 +66,13 @@ class ApiGuard:
             return await _send_json(send, 401, {"error": "missing or invalid API key: send 'Authorization: Bearer "
                                                          "<key>' or 'X-API-Key: <key>'"},
                                     [(b"www-authenticate", b"Bearer")])
+        reason = self.not_ready() if self.not_ready is not None and (path in self.model_paths or path == "/readyz") else None
+        if reason is not None:
+            if path == "/readyz":
+                return await _send_json(send, 503, {"ready": False, "reason": reason})
+            return await _send_json(send, 503, {"error": f"the model is not loaded yet: {reason}",
+                                                "retry_after_seconds": RETRY_AFTER_SECONDS},
+                                    [(b"retry-after", str(RETRY_AFTER_SECONDS).encode())])
         if scope.get("method") in ("POST", "PUT", "PATCH"):
             body = await self._read_body(receive, headers)
             if body is None:

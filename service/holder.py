@@ -93,6 +93,11 @@ class ServedModel:
         """The library's one scoring path: rewards and truncated flags, one per pair."""
         return self.scorer.score(list(prompts), list(responses))
 
+    def token_counts(self, prompts: Sequence[str], responses: Sequence[str]) -> list[int]:
+        """The tokens each pair is scored on, after truncation (the usage figures of the vLLM protocol)."""
+        encoder = self.scorer.encoder
+        return [len(encoder.encode(p, r).input_ids) for p, r in zip(prompts, responses)]
+
     def describe(self) -> dict[str, Any]:
         return {
             "name": self.registered_name or self.resolved, "version": self.version, "alias": self.alias,
@@ -191,6 +196,9 @@ class ModelHolder:
         self._thread: threading.Thread | None = None
         self.last_error: str | None = None
         self.last_check: str | None = None
+        self.load_error: str | None = None  # why the first load failed (it is retried)
+        self.loading_since: str | None = None
+        self.retry_seconds = 10.0
 
     @property
     def loaded(self) -> bool:
@@ -212,11 +220,44 @@ class ModelHolder:
             raise
 
     def load(self) -> ServedModel:
-        """The first load; errors propagate (a service that cannot load its model should not start)."""
+        """The first load (nothing when a model is loaded already); errors propagate."""
         with self._reload_lock:
-            self._current = self._load_new()
-            logger.info("serving %s (from %s)", self._current.resolved, self.uri)
+            if self._current is None:
+                self._current = self._load_new()
+                logger.info("serving %s (from %s)", self._current.resolved, self.uri)
             return self._current
+
+    def load_in_background(self, retry_seconds: float = 10.0) -> threading.Thread:
+        """The first load off the serving thread, so that the service answers while it runs (503 with
+        `not_ready_reason`, never a refused connection); a failed load is retried every `retry_seconds`
+        until it succeeds or the holder closes."""
+        self.loading_since = datetime.now(timezone.utc).isoformat(timespec="seconds")
+        self.retry_seconds = retry_seconds
+
+        def run():
+            while not self._stop.is_set():
+                try:
+                    self.load()
+                    self.load_error = None
+                    return
+                except Exception as exc:
+                    self.load_error = f"{type(exc).__name__}: {exc}".splitlines()[0][:500]
+                    logger.error("cannot load %s (retrying in %.0f s): %s", self.uri, retry_seconds, self.load_error)
+                if self._stop.wait(retry_seconds):
+                    return
+
+        thread = threading.Thread(target=run, name="anchor-rm-first-load", daemon=True)
+        thread.start()
+        return thread
+
+    def not_ready_reason(self) -> str | None:
+        """None once a model serves; else what the service is waiting for."""
+        if self._current is not None:
+            return None
+        if self.load_error:
+            return (f"loading {self.uri} failed: {self.load_error}; retrying every {self.retry_seconds:g} s "
+                    f"(since {self.loading_since})")
+        return f"loading {self.uri} (since {self.loading_since})"
 
     def refresh(self) -> ReloadResult:
         """Load the version the URI names now, if it differs from the one being served."""

@@ -211,8 +211,11 @@ def split_queries(queries: Sequence[str], prompts: Sequence[str] | None, limits:
 
     Where a query starts with its prompt, the rest is the response (possibly empty: a policy may stop at
     once). Where there is no prompt, or the query does not start with it, the whole query is scored as the
-    response to an empty prompt, and prompt_found says so.
+    response to an empty prompt, and prompt_found says so. No queries is a valid request with no answer
+    rows: OpenRLHF, given several reward servers, sends every server after the first empty lists.
     """
+    if isinstance(queries, (list, tuple)) and not queries and not prompts:
+        return SplitQueries([], [], [])
     _check_count("query", queries, limits.max_items, "max_items")
     for i, query in enumerate(queries):
         check_text(f"query[{i}]", query, limits)

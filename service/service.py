@@ -14,6 +14,11 @@ Public endpoints validate a request, then score its pairs through one `ScoreBatc
 the requests that arrive while a batch is being scored share the next batch, in this process, without a
 second HTTP hop. /metrics counts them: `anchor_rm_scored_pairs_total`, and `anchor_rm_batch_requests` (a
 histogram of requests per batch).
+
+Besides its own API (/score, /best_of_n, /compare), the service speaks the protocols RLHF trainers use
+(service/protocols.py): OpenRLHF's /get_reward, vLLM's /classify, /pooling and GET /v1/models (verl),
+slime's /reward, and rerank (/v1/rerank, /v2/rerank, /rerank). The model loads in the background: until it
+serves, every model endpoint answers 503 with Retry-After and the reason, and /readyz says why.
 """
 
 from __future__ import annotations
@@ -21,6 +26,7 @@ from __future__ import annotations
 import functools
 import logging
 import shutil
+import time
 from pathlib import Path
 from typing import Any
 
@@ -31,7 +37,9 @@ from starlette.responses import JSONResponse
 
 from anchor_rm import scoring
 from anchor_rm.batching import QueueTimeout, ScoreBatcher
-from service import guard, holder, schemas
+from service import guard, holder, protocols, schemas
+from service.get_routes import GetRoutes
+from service.protocols import ClassifyRequest, RerankRequest, SampleRequest
 from service.schemas import (BestOfNRequest, BestOfNResponse, CompareRequest, CompareResponse, GetRewardRequest,
                              GetRewardResponse, ModelInfo, ModelRef, ReloadResponse, RequestError, ScoreRequest,
                              ScoreResponse)
@@ -53,6 +61,35 @@ def _bad_request(exc: RequestError) -> JSONResponse:
     return JSONResponse(exc.to_dict(), status_code=400)
 
 
+class _Live:
+    """The running service's model holder, for the ASGI layers in front of it (created before it)."""
+
+    holder: holder.ModelHolder | None = None
+    started = int(time.time())
+
+
+LIVE = _Live()
+
+
+def _not_ready() -> str | None:
+    return "the service is starting" if LIVE.holder is None else LIVE.holder.not_ready_reason()
+
+
+def _models() -> tuple[int, dict]:
+    """GET /v1/models (vLLM's and OpenAI's model list): the one model served."""
+    model = LIVE.holder.current
+    return 200, protocols.models_response(_model_id(model), model.resolved, model.max_length, LIVE.started)
+
+
+def _model_id(model: holder.ServedModel) -> str:
+    return model.registered_name or model.resolved
+
+
+# Paths that need the model: while it loads they answer 503 (guard.ApiGuard).
+MODEL_PATHS = ("/score", "/best_of_n", "/compare", "/get_reward", "/classify", "/pooling", "/reward", "/v1/rerank",
+               "/v2/rerank", "/rerank", "/v1/models", "/model", "/report", "/reload")
+
+
 @bentoml.service(
     name="anchor_rm_reward",
     http={"host": SETTINGS.host, "port": SETTINGS.port},
@@ -68,7 +105,8 @@ class RewardService:
         loader = functools.partial(holder.load_served_model, batch_size=SETTINGS.forward_batch_size,
                                    precision=SETTINGS.precision)
         self.holder = holder.ModelHolder(SETTINGS.model_uri, self._root, loader=loader)
-        self.holder.load()
+        LIVE.holder = self.holder
+        self.holder.load_in_background(retry_seconds=SETTINGS.poll_seconds or 10.0)
         self.holder.start_polling(SETTINGS.poll_seconds)
         self.batcher = ScoreBatcher(self._score_batch, max_batch_size=SETTINGS.max_batch_size,
                                     batching=SETTINGS.batching, max_wait_seconds=SETTINGS.max_latency_ms / 1000,
@@ -96,6 +134,13 @@ class RewardService:
             return await self.batcher.score(prompts, responses)
         except QueueTimeout as exc:
             raise ServiceUnavailable(str(exc)) from None
+
+    async def _score_with_tokens(self, prompts: list[str], responses: list[str]) -> tuple[list[float], list[int], str]:
+        """Rewards, the tokens each pair was scored on (for usage), and the served model's id."""
+        rewards, _, _ = await self._score(prompts, responses)
+        model = self.holder.current
+        tokens = await anyio.to_thread.run_sync(model.token_counts, prompts, responses)
+        return rewards, tokens, _model_id(model)
 
     @bentoml.api(route="/score")
     async def score(self, request: ScoreRequest, /) -> ScoreResponse:
@@ -139,9 +184,73 @@ class RewardService:
             split = schemas.split_queries(request.query, request.prompts, self.limits, request.labels)
         except RequestError as exc:
             return _bad_request(exc)
+        if not split.prompts:  # OpenRLHF sends every reward server after the first empty lists
+            return GetRewardResponse(rewards=[], scores=[], extra_logs={"truncated": [], "prompt_found": []},
+                                     model=self.holder.current.ref)
         rewards, truncated, ref = await self._score(split.prompts, split.responses)
         logs = {"truncated": [float(t) for t in truncated], "prompt_found": [float(f) for f in split.prompt_found]}
         return GetRewardResponse(rewards=rewards, scores=rewards, extra_logs=logs, model=ref)
+
+    @bentoml.api(route="/classify")
+    async def classify(self, request: ClassifyRequest, /) -> dict[str, Any]:
+        """vLLM's classification API (verl's reward loop): {"model", "input": text or [texts]} or {"messages"}
+        -> {"data": [{"index", "label", "probs": [score], "num_classes": 1}], "usage", ...}. score is
+        sigmoid(reward), or the reward itself with "use_activation": false (older clients: "activation")."""
+        try:
+            pairs = protocols.classify_pairs(request, self.limits)
+        except RequestError as exc:
+            return _bad_request(exc)
+        rewards, tokens, model_id = await self._score_with_tokens(pairs.prompts, pairs.responses)
+        return protocols.classify_response(model_id, rewards, tokens, protocols.use_activation(request))
+
+    @bentoml.api(route="/pooling")
+    async def pooling(self, request: ClassifyRequest, /) -> dict[str, Any]:
+        """vLLM's pooling API: the same inputs as /classify -> {"data": [{"index", "object": "pooling",
+        "data": [reward]}], "usage", ...}; the raw reward unless "use_activation": true."""
+        try:
+            pairs = protocols.classify_pairs(request, self.limits)
+        except RequestError as exc:
+            return _bad_request(exc)
+        rewards, tokens, model_id = await self._score_with_tokens(pairs.prompts, pairs.responses)
+        return protocols.pooling_response(model_id, rewards, tokens, protocols.use_activation(request, default=False))
+
+    @bentoml.api(route="/reward")
+    async def reward(self, request: SampleRequest, /) -> dict[str, float]:
+        """slime's remote reward (--rm-url .../reward --reward-key reward): {"prompt", "response", "label"}
+        -> {"reward": r, "score": r}."""
+        try:
+            prompt, response = protocols.sample_pair(request, self.limits)
+        except RequestError as exc:
+            return _bad_request(exc)
+        (reward,), _, _ = await self._score([prompt], [response])
+        return {"reward": reward, "score": reward}
+
+    async def _rerank(self, request: RerankRequest) -> Any:
+        try:
+            candidates = protocols.rerank_candidates(request, self.limits)
+        except RequestError as exc:
+            return _bad_request(exc)
+        rewards, tokens, model_id = await self._score_with_tokens([candidates.query] * len(candidates.documents),
+                                                                  candidates.documents)
+        answer = protocols.rerank_response(request, candidates, rewards, model_id, tokens)
+        return JSONResponse(answer) if isinstance(answer, list) else answer
+
+    @bentoml.api(route="/v1/rerank")
+    async def rerank_v1(self, request: RerankRequest, /) -> Any:
+        """Rerank (Cohere's shape, LiteLLM's rerank): {"query", "documents", "top_n"} -> {"results": [{"index",
+        "relevance_score", "document": {"text"}}]}, best first; relevance_score = sigmoid(reward). With
+        TEI's "texts" instead of "documents", TEI's answer: a list of {"index", "score"}."""
+        return await self._rerank(request)
+
+    @bentoml.api(route="/v2/rerank")
+    async def rerank_v2(self, request: RerankRequest, /) -> Any:
+        """The same as /v1/rerank (LiteLLM's cohere/ provider posts here by default)."""
+        return await self._rerank(request)
+
+    @bentoml.api(route="/rerank")
+    async def rerank(self, request: RerankRequest, /) -> Any:
+        """The same as /v1/rerank (TEI's and vLLM's path)."""
+        return await self._rerank(request)
 
     @bentoml.api(route="/model")
     async def model_info(self) -> ModelInfo:
@@ -167,6 +276,10 @@ class RewardService:
         return ReloadResponse(**result.to_dict())
 
 
+# Starlette runs the first middleware added outermost: the guard (key, body size, 503 while loading) sees
+# every request before the GET routes do.
 RewardService.add_asgi_middleware(
-    guard.ApiGuard, api_key=SETTINGS.api_key, max_body_bytes=SETTINGS.max_body_bytes,
+    guard.ApiGuard, api_key=SETTINGS.api_key, max_body_bytes=SETTINGS.max_body_bytes, not_ready=_not_ready,
+    model_paths=MODEL_PATHS,
 )
+RewardService.add_asgi_middleware(GetRoutes, routes={"/v1/models": _models})

@@ -29,9 +29,11 @@ import load_service  # noqa: E402
 
 pytestmark = pytest.mark.slow
 
-ENDPOINTS = ("/score", "/best_of_n", "/compare", "/get_reward", "/model", "/report", "/reload")
-BODY_ENDPOINTS = ("/score", "/best_of_n", "/compare", "/get_reward")
-FUZZ_EXAMPLES = 100  # per endpoint and mode: ~1,300 requests in all, about a minute here
+ENDPOINTS = ("/score", "/best_of_n", "/compare", "/get_reward", "/classify", "/pooling", "/reward", "/v1/rerank",
+             "/v2/rerank", "/rerank", "/model", "/report", "/reload")
+BODY_ENDPOINTS = ("/score", "/best_of_n", "/compare", "/get_reward", "/classify", "/pooling", "/reward", "/v1/rerank",
+                  "/v2/rerank", "/rerank")
+FUZZ_EXAMPLES = 60  # per endpoint and mode: ~1,500 requests in all
 AUTH = {"Authorization": f"Bearer {KEY}"}
 
 
@@ -56,7 +58,9 @@ def test_requests_without_the_key_are_refused_and_nothing_is_scored(server, http
     url = server["url"]
     bodies = {"/score": {"items": [{"prompt": "p", "response": "r"}]}, "/best_of_n": {"prompt": "p", "candidates": ["a"]},
               "/compare": {"prompt": "p", "response_a": "a", "response_b": "b"}, "/get_reward": {"query": ["q"]},
-              "/model": {}, "/report": {}, "/reload": {}}
+              "/classify": {"input": "q"}, "/pooling": {"input": "q"}, "/reward": {"prompt": "p", "response": "r"},
+              "/v1/rerank": {"query": "q", "documents": ["a"]}, "/v2/rerank": {"query": "q", "documents": ["a"]},
+              "/rerank": {"query": "q", "texts": ["a"]}, "/model": {}, "/report": {}, "/reload": {}}
     # the counter counts: one authenticated score moves it
     before = _scored_pairs(http.get("/metrics").text)
     assert http.post("/score", json=bodies["/score"]).status_code == 200
@@ -72,9 +76,10 @@ def test_requests_without_the_key_are_refused_and_nothing_is_scored(server, http
             assert response.status_code == 401, (path, headers, response.status_code)
             assert "API key" in response.json()["error"] and KEY not in response.text
         assert httpx.get(url + "/docs.json", headers=headers).status_code == 401
+        assert httpx.get(url + "/v1/models", headers=headers).status_code == 401
     metrics = http.get("/metrics").text
     assert _scored_pairs(metrics) == scored_once  # nothing was scored
-    for path in ("/score", "/best_of_n", "/compare", "/get_reward", "/reload"):
+    for path in ("/score", "/best_of_n", "/compare", "/get_reward", "/classify", "/reward", "/v1/rerank", "/reload"):
         assert _counter(metrics, path, 401) - refused_before[path] == 5, path  # each refusal was counted as a 401
 
 

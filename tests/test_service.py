@@ -43,7 +43,7 @@ LIMITS = ServingLimits(max_items=4, max_candidates=3, max_text_bytes=20)
     (lambda: schemas.check_best_of_n("", ["a"], LIMITS), "prompt", ["empty"]),
     (lambda: schemas.check_best_of_n("p", "ab", LIMITS), "candidates", ["must be a list"]),
     (lambda: schemas.check_compare("p", "a", "x" * 21, LIMITS), "response_b", ["21 bytes", "limit of 20"]),
-    (lambda: schemas.split_queries([], None, LIMITS), "query", ["empty"]),
+    (lambda: schemas.split_queries([], ["p"], LIMITS), "query", ["empty"]),
     (lambda: schemas.split_queries(["q1", "q2"], ["q"], LIMITS), "prompts", ["1 entries", "query has 2"]),
     (lambda: schemas.split_queries(["q1", ""], None, LIMITS), "query[1]", ["empty"]),
     (lambda: schemas.split_queries(["q"], None, LIMITS, labels="x"), "labels", ["must be a list"]),
@@ -74,6 +74,10 @@ def test_openrlhf_queries_split_at_their_prompt():
     assert split.prompt_found == [True, True, False]
     absent = schemas.split_queries(["whole text"], None, LIMITS)
     assert (absent.prompts, absent.responses, absent.prompt_found) == ([""], ["whole text"], [False])
+    # OpenRLHF with several reward servers sends each server after the first {"query": [], "prompts": [], ...}
+    for prompts in ([], None):
+        nothing = schemas.split_queries([], prompts, LIMITS, labels=[])
+        assert (nothing.prompts, nothing.responses, nothing.prompt_found) == ([], [], [])
 
 
 def test_ranking_and_preference_probability():

@@ -142,7 +142,8 @@ def test_model_and_report(store, http):
 
 def test_openapi_documents_every_endpoint(http):
     spec = http.get("/docs.json").json()
-    for path in ("/score", "/best_of_n", "/compare", "/get_reward", "/report", "/model", "/reload"):
+    for path in ("/score", "/best_of_n", "/compare", "/get_reward", "/classify", "/pooling", "/reward", "/v1/rerank",
+                 "/v2/rerank", "/rerank", "/report", "/model", "/reload"):
         assert path in spec["paths"], path
     score_schema = json.dumps(spec["paths"]["/score"])
     assert "items" in score_schema or "ScoreRequest" in score_schema
@@ -165,7 +166,7 @@ BAD = [
     ("/compare", {"prompt": "p", "response_a": "a"}, "response_b"),
     ("/compare", {"prompt": "p", "response_a": "a", "response_b": "  "}, "response_b"),
     ("/get_reward", {"query": ["q1", "q2"], "prompts": ["q"]}, "prompts"),
-    ("/get_reward", {"query": []}, "query"),
+    ("/get_reward", {"query": [], "prompts": ["p"]}, "query"),
     ("/get_reward", {"query": "q"}, "query"),
     ("/get_reward", {"prompts": ["p"]}, "query"),
 ]

@@ -1,0 +1,193 @@
+"""A small client for the reward service (service/service.py), sync and async, and a TRL reward function
+built on it.
+
+    from anchor_rm.client import RewardClient
+    client = RewardClient("http://127.0.0.1:3000", api_key="...")
+    client.score([("How do I boil an egg?", "Boil it for 8 to 10 minutes.")])   # -> [rewards]
+    client.best_of_n("How do I boil an egg?", ["Microwave it.", "Boil it."])    # -> BestOfN
+    client.compare(prompt, response_a, response_b)                                # -> P(a preferred)
+
+    from anchor_rm.client import TRLRewardFunction
+    GRPOTrainer(..., reward_funcs=TRLRewardFunction(client))
+
+Retries: a 503 (the model is loading, or the service is overloaded; its Retry-After is honoured, within
+`max_backoff`) and a connection error are tried again, up to `retries` times with exponential backoff. Any
+other status is final: a 4xx will not change on a retry, and its message names the field and the limit.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from dataclasses import dataclass
+from typing import Any, Sequence
+
+import httpx
+
+from anchor_rm.scoring import conversation_to_pair, message_text
+
+RETRY_STATUSES = frozenset({503})
+
+
+class RewardServiceError(RuntimeError):
+    """The service refused the request (4xx or 5xx other than a retried 503), or stayed unavailable."""
+
+    def __init__(self, message: str, status: int | None = None):
+        super().__init__(message)
+        self.status = status
+
+
+@dataclass(frozen=True)
+class BestOfN:
+    rewards: list[float]
+    ranking: list[int]  # candidate indices, best first
+    best_index: int
+    model: dict  # {"name", "version"} of the model that scored
+
+
+def _headers(api_key: str | None) -> dict[str, str]:
+    return {"Authorization": f"Bearer {api_key}"} if api_key else {}
+
+
+def _delay(attempt: int, response: httpx.Response | None, backoff: float, max_backoff: float) -> float:
+    if response is not None:
+        try:
+            return min(max_backoff, float(response.headers.get("retry-after", "")))
+        except ValueError:
+            pass
+    return min(max_backoff, backoff * 2 ** attempt)
+
+
+def _answer(response: httpx.Response) -> Any:
+    if response.status_code >= 400:
+        try:
+            detail = response.json().get("error", response.text)
+        except ValueError:
+            detail = response.text
+        raise RewardServiceError(f"{response.request.method} {response.request.url.path}: HTTP {response.status_code}: "
+                                 f"{str(detail)[:500]}", response.status_code)
+    return response.json()
+
+
+def _pairs_body(pairs: Sequence[tuple[str, str]]) -> dict:
+    return {"items": [{"prompt": p, "response": r} for p, r in pairs]}
+
+
+class RewardClient:
+    """Synchronous client. `timeout` is per attempt, in seconds."""
+
+    def __init__(self, url: str, *, api_key: str | None = None, timeout: float = 60.0, retries: int = 5,
+                 backoff: float = 0.5, max_backoff: float = 30.0):
+        self.retries, self.backoff, self.max_backoff = retries, backoff, max_backoff
+        self._http = httpx.Client(base_url=url, headers=_headers(api_key), timeout=timeout)
+
+    def _post(self, path: str, body: dict) -> Any:
+        for attempt in range(self.retries + 1):
+            response = None
+            try:
+                response = self._http.post(path, json=body)
+                if response.status_code not in RETRY_STATUSES:
+                    return _answer(response)
+            except httpx.TransportError as exc:
+                if attempt == self.retries:
+                    raise RewardServiceError(f"POST {path}: {type(exc).__name__}: {exc}") from exc
+            if attempt < self.retries:
+                time.sleep(_delay(attempt, response, self.backoff, self.max_backoff))
+        return _answer(response)
+
+    def score(self, pairs: Sequence[tuple[str, str]]) -> list[float]:
+        """One reward per (prompt, response) pair, in order."""
+        return self._post("/score", _pairs_body(pairs))["rewards"]
+
+    def best_of_n(self, prompt: str, candidates: Sequence[str]) -> BestOfN:
+        answer = self._post("/best_of_n", {"prompt": prompt, "candidates": list(candidates)})
+        return BestOfN(answer["rewards"], answer["ranking"], answer["best_index"], answer["model"])
+
+    def compare(self, prompt: str, response_a: str, response_b: str) -> float:
+        """P(response_a preferred over response_b)."""
+        return self._post("/compare", {"prompt": prompt, "response_a": response_a,
+                                       "response_b": response_b})["p_a_preferred"]
+
+    def close(self) -> None:
+        self._http.close()
+
+    def __enter__(self) -> "RewardClient":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
+class AsyncRewardClient:
+    """The same as RewardClient, for asyncio."""
+
+    def __init__(self, url: str, *, api_key: str | None = None, timeout: float = 60.0, retries: int = 5,
+                 backoff: float = 0.5, max_backoff: float = 30.0):
+        self.retries, self.backoff, self.max_backoff = retries, backoff, max_backoff
+        self._http = httpx.AsyncClient(base_url=url, headers=_headers(api_key), timeout=timeout)
+
+    async def _post(self, path: str, body: dict) -> Any:
+        for attempt in range(self.retries + 1):
+            response = None
+            try:
+                response = await self._http.post(path, json=body)
+                if response.status_code not in RETRY_STATUSES:
+                    return _answer(response)
+            except httpx.TransportError as exc:
+                if attempt == self.retries:
+                    raise RewardServiceError(f"POST {path}: {type(exc).__name__}: {exc}") from exc
+            if attempt < self.retries:
+                await asyncio.sleep(_delay(attempt, response, self.backoff, self.max_backoff))
+        return _answer(response)
+
+    async def score(self, pairs: Sequence[tuple[str, str]]) -> list[float]:
+        return (await self._post("/score", _pairs_body(pairs)))["rewards"]
+
+    async def best_of_n(self, prompt: str, candidates: Sequence[str]) -> BestOfN:
+        answer = await self._post("/best_of_n", {"prompt": prompt, "candidates": list(candidates)})
+        return BestOfN(answer["rewards"], answer["ranking"], answer["best_index"], answer["model"])
+
+    async def compare(self, prompt: str, response_a: str, response_b: str) -> float:
+        return (await self._post("/compare", {"prompt": prompt, "response_a": response_a,
+                                              "response_b": response_b}))["p_a_preferred"]
+
+    async def aclose(self) -> None:
+        await self._http.aclose()
+
+    async def __aenter__(self) -> "AsyncRewardClient":
+        return self
+
+    async def __aexit__(self, *exc) -> None:
+        await self.aclose()
+
+
+class TRLRewardFunction:
+    """A `reward_funcs` entry for TRL's GRPOTrainer (and any trainer that calls reward functions as
+    `f(prompts=..., completions=..., **columns) -> list[float]`), scoring through the service.
+
+    Plain text: each (prompt, completion) is one pair. Conversational data (lists of {"role", "content"}
+    messages): the prompt's messages plus the completion's assistant message are turned into a pair as
+    the service's /classify does (anchor_rm.scoring.conversation_to_pair)."""
+
+    def __init__(self, client: RewardClient, batch_size: int = 64):
+        self.client = client
+        self.batch_size = batch_size
+        self.__name__ = "anchor_rm_reward"  # TRL names the reward's logged metrics after the function
+
+    def __call__(self, prompts: Sequence[Any], completions: Sequence[Any], **_columns) -> list[float]:
+        pairs = [_pair(p, c) for p, c in zip(prompts, completions)]
+        rewards: list[float] = []
+        for start in range(0, len(pairs), self.batch_size):
+            rewards += self.client.score(pairs[start:start + self.batch_size])
+        return rewards
+
+
+def _pair(prompt: Any, completion: Any) -> tuple[str, str]:
+    if isinstance(prompt, str) and isinstance(completion, str):
+        return prompt, completion
+    if isinstance(completion, list):  # conversational: the completion is [{"role": "assistant", ...}]
+        response = "".join(message_text(m.get("content", "")) for m in completion)
+        messages = prompt if isinstance(prompt, list) else [{"role": "user", "content": str(prompt)}]
+        return conversation_to_pair([*messages, {"role": "assistant", "content": response}])
+    raise TypeError(f"prompts and completions must be text or message lists, got {type(prompt).__name__} and "
+                    f"{type(completion).__name__}")
