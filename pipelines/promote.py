@@ -6,6 +6,7 @@ the promotion gates, or roll `champion` back to the version it replaced.
     python pipelines/promote.py --max-id-drop 1.0      # a stricter ID gate
     python pipelines/promote.py --version 3 --force    # promote even though gates fail (still needs a report)
     python pipelines/promote.py --rollback             # champion back to previous-champion
+    python pipelines/promote.py --check [--repair]     # list (and remove) versions left half-made
     python pipelines/promote.py --tracking-uri http://127.0.0.1:5000 --name anchor-rm-harmless
 
 Every version registered by pipelines/tune.py carries its evaluation report; promotion reads it and the
@@ -22,7 +23,9 @@ test figures, kept for the report, would then overstate the champion.
                         and the first)
 
 A promotion points `previous-champion` at the old champion and `champion` at the new version, and tags
-the version promoted_at / promoted_from. No version is ever deleted, and registry stages are not used.
+the version promoted_at / promoted_from. Registry stages are not used. The only deletion is --check
+--repair's: a version without its report, run tag or description (left by a registration killed midway
+whose cleanup could not reach the store) that no alias names.
 A version without a report (or with figures on other than the test splits) is never promoted.
 
 exit status:
@@ -61,6 +64,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--rollback", action="store_true",
                    help="move champion back to previous-champion, and previous-champion to the version rolled "
                         "back from (a second --rollback undoes the first); no gates")
+    p.add_argument("--check", action="store_true",
+                   help="list the versions without a complete registration (report, run tag, description); "
+                        "exit 1 if there are any")
+    p.add_argument("--repair", action="store_true",
+                   help="with --check: delete those versions, except one an alias names (that one is listed)")
     p.add_argument("--tracking-uri",
                    help="MLflow tracking URI (default: $MLFLOW_TRACKING_URI, else sqlite:///mlflow.db here)")
     p.add_argument("--settle-seconds", type=float, default=1.0,
@@ -75,6 +83,10 @@ def main(argv=None) -> int:
     args = parser.parse_args(argv)
     if args.rollback and (args.version or args.force):
         parser.error("--rollback takes no --version or --force: it moves champion back to previous-champion")
+    if args.repair and not args.check:
+        parser.error("--repair needs --check")
+    if args.check and (args.rollback or args.version or args.force):
+        parser.error("--check takes no --rollback, --version or --force")
     if args.settle_seconds < 0:
         parser.error("--settle-seconds must be >= 0")
     setup_logging(args.verbose)
@@ -88,6 +100,8 @@ def main(argv=None) -> int:
         try:
             uri = store.connect(args.tracking_uri, must_exist=True)
             print(f"tracking store: {uri}")
+            if args.check:
+                return check_versions(name, args.repair)
             if args.rollback:
                 result = promotion.rollback(name, dry_run=args.dry_run, settle_seconds=args.settle_seconds)
                 print(promotion_text.format_rollback(result))
@@ -109,6 +123,27 @@ def main(argv=None) -> int:
                 raise
             print(f"error: MLflow: {store.message(exc)}", file=sys.stderr)
             return 2
+
+
+def check_versions(name: str, repair: bool) -> int:
+    """--check [--repair]: 0 when every version is complete (or was repaired), 1 when some are not."""
+    from anchor_rm.mlflow_edge import registry
+
+    incomplete = registry.incomplete_versions(name)
+    named = {version: alias for alias, version in registry.read_aliases(name).items()}
+    if not incomplete:
+        print(f"{name}: every version is complete")
+        return 0
+    left = 0
+    for version, missing in incomplete:
+        if repair and version not in named:
+            registry.delete_version(name, version)
+            print(f"v{version}: missing {missing}: deleted")
+        else:
+            left += 1
+            keep = f" (kept: alias {named[version]} names it)" if version in named else ""
+            print(f"v{version}: missing {missing}{keep}")
+    return 1 if left else 0
 
 
 if __name__ == "__main__":

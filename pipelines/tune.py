@@ -155,7 +155,7 @@ def run(args) -> int:
             log.info("this experiment already registered %s; nothing more to do", existing)
             print(f"registered model version: {existing}")
             return 0
-        final = register_selected(shared, cfg, baselines, anchor, registered_name)
+        final = register_selected(shared, cfg, baselines, anchor, registered_name, parent_id)
         runs.set_tags({keys.REGISTERED_TAG: f"{final.version.name}/{final.version.version}"})
     report, version = final.report, final.version
 

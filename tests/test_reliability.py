@@ -420,3 +420,81 @@ def test_the_step_hook_is_loaded_from_its_file_and_bad_specs_are_named(tmp_path)
         load_step_hook(f"{tmp_path / 'missing.py'}:record")
     with pytest.raises(ValueError, match="has no function 'nope'"):
         load_step_hook(f"{hook_file}:nope")
+
+
+# A registration SIGKILLed right after MLflow created the version: before its description, run tag and alias.
+KILLED_REGISTRATION = r'''
+import os, signal, sys
+import mlflow
+from anchor_rm.mlflow_edge import registry
+from anchor_rm.mlflow_edge.store import configure
+from anchor_rm.report import SplitResult, build_report
+
+store, folder, key = sys.argv[1:4]
+configure(store, "killed-registration")
+register = mlflow.register_model
+
+def register_then_die(*args, **kwargs):
+    version = register(*args, **kwargs)
+    os.kill(os.getpid(), signal.SIGKILL)
+
+mlflow.register_model = register_then_die
+rows = [SplitResult("hh-helpful-base", "id", "test", 470, 60.0, 61.0, None, 0.0),
+        SplitResult("pandalm", "ood", "test", 300, 50.0, 55.0, None, 0.0)]
+report = build_report({"name": "x", "student": "tiny-bert", "teacher": "tiny", "method": "anchor", "hyperparameters": {}},
+                      rows, selection_splits="val", figure_splits="test",
+                      data_digests={"hh-helpful-base/id_test": "a" * 64, "pandalm/test": "b" * 64})
+with mlflow.start_run():
+    registry.log_and_register(folder, report, "anchor-rm-helpful", registration_key=key)
+'''
+
+
+@pytest.mark.slow
+def test_a_registration_killed_after_the_version_exists_is_completed_not_repeated(tmp_path, minilm_tokenizer,
+                                                                                     restore_mlflow_uris):
+    """tune.py --resume after a SIGKILL between register_model and the version's description, tags and alias:
+    the same registration key finds the version and completes it; promote.py --check sees the gap before."""
+    folder = tiny_model_folder(tmp_path / "model", minilm_tokenizer, max_length=48)
+    store = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    killed = subprocess.run([PYTHON, "-c", KILLED_REGISTRATION, store, str(folder), "tune-run:abc"], cwd=ROOT,
+                            capture_output=True, text=True, timeout=300)
+    assert killed.returncode == -signal.SIGKILL, killed.stderr[-2000:]
+    client = MlflowClient(store, registry_uri=store)
+    (half,) = client.search_model_versions(f"name = '{NAME}'")
+    assert not half.description and "run_id" not in half.tags and half.tags["anchor_rm.registration_key"] == "tune-run:abc"
+
+    check = run_pipeline("promote.py", "--check", "--tracking-uri", store, cwd=tmp_path)
+    assert check.returncode == 1 and "v1: missing the run_id tag, the description" in check.stdout, check.stdout
+
+    configure(store, "killed-registration")
+    with mlflow.start_run():
+        again = registry.log_and_register(folder, _report(), NAME, registration_key="tune-run:abc")
+    versions = client.search_model_versions(f"name = '{NAME}'")
+    assert again.version == "1" and [str(v.version) for v in versions] == ["1"]  # completed, not registered twice
+    assert versions[0].description and versions[0].tags["run_id"] == half.run_id
+    assert str(client.get_model_version_by_alias(NAME, "challenger").version) == "1"
+    check = run_pipeline("promote.py", "--check", "--tracking-uri", store, cwd=tmp_path)
+    assert check.returncode == 0 and "every version is complete" in check.stdout, check.stdout
+    with mlflow.start_run():  # another key: a new version
+        assert registry.log_and_register(folder, _report(), NAME, registration_key="tune-run:def").version == "2"
+
+
+@pytest.mark.slow
+def test_check_repair_removes_half_made_versions_but_not_one_an_alias_names(tmp_path, minilm_tokenizer,
+                                                                            restore_mlflow_uris):
+    folder = tiny_model_folder(tmp_path / "model", minilm_tokenizer, max_length=48)
+    store = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    configure(store, "repair")
+    with mlflow.start_run():
+        complete = registry.log_and_register(folder, _report(), NAME)
+    with mlflow.start_run() as run:  # two bare versions: what a cleanup that could not reach the store leaves
+        mlflow.log_artifacts(str(folder), "model")
+        bare = [str(MlflowClient().create_model_version(NAME, f"{run.info.artifact_uri}/model", run_id=run.info.run_id).version)
+                for _ in range(2)]
+    MlflowClient().set_registered_model_alias(NAME, "champion", bare[1])
+    check = run_pipeline("promote.py", "--check", "--repair", "--tracking-uri", store, cwd=tmp_path)
+    assert check.returncode == 1, check.stdout + check.stderr
+    assert f"v{bare[0]}: missing" in check.stdout and "deleted" in check.stdout
+    assert f"v{bare[1]}: missing" in check.stdout and "kept: alias champion names it" in check.stdout
+    left = sorted(str(v.version) for v in MlflowClient().search_model_versions(f"name = '{NAME}'"))
+    assert left == sorted([complete.version, bare[1]])

@@ -105,11 +105,12 @@ class FinalResult:
 
 
 def register_selected(shared: SharedStages, cfg: ProtocolConfig, baselines: list[TrialOutcome],
-                      anchor: list[TrialOutcome], registered_name: str) -> FinalResult:
+                      anchor: list[TrialOutcome], registered_name: str, tune_run_id: str) -> FinalResult:
     """The post-search protocol, in a nested "final-evaluation" run of the active tune run: the best ANCHOR
     trial by validation NTS (search.best_trial) and the baselines, each evaluated once on the test splits;
     the comparison, the chart and the trials as artifacts; the selected model registered with its report
-    under the alias `challenger`."""
+    under the alias `challenger`. Registration is keyed on the tune run: a driver killed after registering
+    and resumed completes that version instead of registering another."""
     selected = best_trial(anchor)
     log.info("selected %s (val mean NTS %+.2f)", selected.config, selected.val_mean_nts)
     with runs.start_run(run_name="final-evaluation", nested=True) as final_run_id, \
@@ -133,5 +134,6 @@ def register_selected(shared: SharedStages, cfg: ProtocolConfig, baselines: list
         runs.log_report(report)
         version = log_and_register(folders["selected"], report, registered_name,
                                    extra_artifacts={"comparison.md": str(comparison), "nts_vs_lambda.png": str(chart),
-                                                    "trials.json": str(trials)})
+                                                    "trials.json": str(trials)},
+                                   registration_key=f"tune-run:{tune_run_id}")
     return FinalResult(report, comparison_table(reports), version)

@@ -41,6 +41,7 @@ PROMOTION_FORCED_TAG = "promotion_forced"
 ROLLED_BACK_AT_TAG = "rolled_back_at"
 ROLLED_BACK_FROM_TAG = "rolled_back_from"
 VERSION_RUN_TAG = "run_id"
+REGISTRATION_KEY_TAG = "anchor_rm.registration_key"  # makes registration idempotent (registry.log_and_register)
 
 # Artifacts.
 REPORT_ARTIFACT = "report"

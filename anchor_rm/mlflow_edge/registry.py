@@ -36,12 +36,24 @@ class RegisteredVersion:
     model_uri: str
 
 
-def log_and_register(model_folder: str | Path, report: EvaluationReport, name: str, extra_artifacts: dict[str, str] | None = None) -> RegisteredVersion:
+def log_and_register(model_folder: str | Path, report: EvaluationReport, name: str,
+                     extra_artifacts: dict[str, str] | None = None, registration_key: str | None = None) -> RegisteredVersion:
     """Inside the active run: log the report and the pyfunc model, register a new version of `name`,
-    tag and describe it, and point the `challenger` alias at it."""
+    tag and describe it, and point the `challenger` alias at it.
+
+    `registration_key` makes registration idempotent: the version is created with the key as a tag (in the
+    same call, so a version never exists without it), and when a version of `name` with this key exists
+    already (a run killed after registering, then resumed), that version is completed (description, run tag,
+    alias) and returned instead of registering a second one. tune.py passes its tune run's id."""
     run = mlflow.active_run()
     if run is None:
         raise RuntimeError("log_and_register needs an active MLflow run")
+    if registration_key is not None:
+        existing = find_version(name, keys.REGISTRATION_KEY_TAG, registration_key)
+        if existing is not None:
+            log.info("%s version %s was registered for %s already: completing it, not registering again",
+                     name, existing.version, registration_key)
+            return _complete(name, str(existing.version), existing.run_id, report, delete_on_failure=False)
     with tempfile.TemporaryDirectory() as tmp, artifact_writes():
         report_dir = Path(tmp) / keys.REPORT_ARTIFACT
         write_report(report, report_dir)
@@ -51,20 +63,66 @@ def log_and_register(model_folder: str | Path, report: EvaluationReport, name: s
         info = model_package.log_pyfunc(model_folder, report_dir)
     # Everything above wrote files (a full disk or an unwritable artifact location fails there, before any
     # version exists); a version is created only once its model and report are complete.
-    version = mlflow.register_model(info.model_uri, name, tags=headline_tags(report))
+    tags = headline_tags(report)
+    if registration_key is not None:
+        tags[keys.REGISTRATION_KEY_TAG] = registration_key
+    version = mlflow.register_model(info.model_uri, name, tags=tags)
+    return _complete(name, str(version.version), run.info.run_id, report, delete_on_failure=True)
+
+
+def _complete(name: str, version: str, run_id: str, report: EvaluationReport, delete_on_failure: bool) -> RegisteredVersion:
+    """Description, run tag and the challenger alias: what makes a registered version complete."""
     client = store.client()
     try:
-        client.update_model_version(name, version.version, description=describe(report))
-        client.set_model_version_tag(name, version.version, keys.VERSION_RUN_TAG, run.info.run_id)
-        client.set_registered_model_alias(name, keys.CHALLENGER, version.version)
+        client.update_model_version(name, version, description=describe(report))
+        client.set_model_version_tag(name, version, keys.VERSION_RUN_TAG, run_id)
+        client.set_registered_model_alias(name, keys.CHALLENGER, version)
     except BaseException:
-        # A version without its description, run tag or alias is half-written: remove it, then fail.
-        try:
-            client.delete_model_version(name, version.version)
-        except Exception as exc:
-            log.error("could not remove the half-written version %s/%s: %s", name, version.version, exc)
+        if delete_on_failure:  # a version without its description, run tag or alias is half-written
+            try:
+                client.delete_model_version(name, version)
+            except Exception as exc:
+                log.error("could not remove the half-written version %s/%s (promote.py --check --repair "
+                          "removes it): %s", name, version, exc)
         raise
-    return RegisteredVersion(name, str(version.version), run.info.run_id, f"models:/{name}/{version.version}")
+    return RegisteredVersion(name, version, run_id, f"models:/{name}/{version}")
+
+
+def find_version(name: str, tag: str, value: str):
+    """The newest version of `name` whose tag `tag` is `value` (MLflow's ModelVersion), or None."""
+    try:
+        versions = store.client().search_model_versions(f"name='{name}'")
+    except store.TrackingError as exc:
+        if store.not_found(exc):
+            return None
+        raise
+    matching = [v for v in versions if (v.tags or {}).get(tag) == value]
+    return max(matching, key=lambda v: int(v.version)) if matching else None
+
+
+def incomplete_versions(name: str) -> list[tuple[str, str]]:
+    """(version, what is missing) for each version of `name` that lacks what log_and_register writes: a
+    readable report in its run, the run tag, the description. Such a version is left by a process killed
+    mid-registration whose cleanup could not reach the store."""
+    found = []
+    for mv in sorted(store.client().search_model_versions(f"name='{name}'"), key=lambda v: int(v.version)):
+        missing = []
+        if not (mv.tags or {}).get(keys.VERSION_RUN_TAG):
+            missing.append(f"the {keys.VERSION_RUN_TAG} tag")
+        if not mv.description:
+            missing.append("the description")
+        try:
+            if version_report(name, str(mv.version)) is None:
+                missing.append(f"{keys.REPORT_JSON} in its run")
+        except ValueError as exc:
+            missing.append(f"a valid report ({str(exc)[:200]})")
+        if missing:
+            found.append((str(mv.version), ", ".join(missing)))
+    return found
+
+
+def delete_version(name: str, version: str) -> None:
+    store.client().delete_model_version(name, version)
 
 
 def version_report(name: str, version: str) -> EvaluationReport | None:
