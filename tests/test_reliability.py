@@ -56,9 +56,9 @@ def _steps(client: MlflowClient, run_id: str, key: str) -> Counter:
 
 
 def _server_with_a_run(workdir: Path, monkeypatch) -> tuple[int, subprocess.Popen, MlflowClient, str]:
-    """A real `mlflow server` on a free port and one run in it. One attempt per request instead of MLflow's
-    ~4 minutes of retries, so that an outage shows quickly."""
-    monkeypatch.setenv("MLFLOW_HTTP_REQUEST_MAX_RETRIES", "0")
+    """A real `mlflow server` on a free port and one run in it. MLflow's client keeps its default retries
+    (minutes): the writer must bound its own attempts."""
+    monkeypatch.delenv("MLFLOW_HTTP_REQUEST_MAX_RETRIES", raising=False)
     port = free_port()
     server = start_mlflow_server(workdir, port)
     client = MlflowClient(f"http://127.0.0.1:{port}")
@@ -120,6 +120,35 @@ def test_tracking_outage_longer_than_allowed_fails_loudly_and_keeps_the_values(t
     message = str(err.value)
     assert uri in message and run_id in message and "1 metric values" in message and "not delivered" in message
     assert len(logger.pending) == 1
+
+
+def test_a_flush_during_an_outage_holds_training_for_seconds_not_minutes(monkeypatch):
+    """Against a port nobody listens on and a server that accepts connections but never answers, with MLflow's
+    default client retries (7, with backoff: minutes): each flush is one bounded attempt, and deliver gives up
+    after its outage limit."""
+    import socket
+
+    from anchor_rm.mlflow_edge.writer import ATTEMPT_TIMEOUT_S
+
+    monkeypatch.delenv("MLFLOW_HTTP_REQUEST_MAX_RETRIES", raising=False)
+    monkeypatch.delenv("MLFLOW_HTTP_REQUEST_TIMEOUT", raising=False)
+    silent = socket.socket()
+    silent.bind(("127.0.0.1", 0))
+    silent.listen(16)  # accepts (the kernel does), never reads or answers
+    try:
+        for uri in (f"http://127.0.0.1:{free_port()}", f"http://127.0.0.1:{silent.getsockname()[1]}"):
+            writer = BufferedRunWriter(uri, "0" * 32, active=True, outage_seconds=3)
+            writer.add({"train/loss": 1.0}, 0)
+            started = time.monotonic()
+            assert not writer.flush() and len(writer.pending) == 1
+            assert time.monotonic() - started < ATTEMPT_TIMEOUT_S + 3, uri
+            assert "MLFLOW_HTTP_REQUEST_MAX_RETRIES" not in os.environ  # restored after the attempt
+            started = time.monotonic()
+            with pytest.raises(TrackingUnavailable, match="1 metric values"):
+                writer.deliver()
+            assert time.monotonic() - started < 3 + ATTEMPT_TIMEOUT_S + 3, uri
+    finally:
+        silent.close()
 
 
 @pytest.mark.parametrize("raw", ["ten", "0", "-5", "nan", "inf", ""])

@@ -7,6 +7,7 @@ from __future__ import annotations
 import logging
 import os
 import time
+from contextlib import contextmanager
 
 from mlflow.entities import Metric
 
@@ -34,11 +35,34 @@ def outage_seconds_from_env(environ=os.environ) -> float:
     return seconds
 
 
+# One attempt to send a batch: no retries inside MLflow's client (by default 7, with backoff: minutes) and
+# at most this long waiting for the server, so that a flush during an outage holds training for seconds at
+# most. The writer retries on its own schedule instead (2, 4, ... 60 s, training going on meanwhile).
+ATTEMPT_TIMEOUT_S = 5
+
+
+@contextmanager
+def _one_bounded_attempt():
+    """MLflow's REST client reads its retry count and timeout from the environment on every request."""
+    names = ("MLFLOW_HTTP_REQUEST_MAX_RETRIES", "MLFLOW_HTTP_REQUEST_TIMEOUT")
+    saved = {name: os.environ.get(name) for name in names}
+    os.environ.update({"MLFLOW_HTTP_REQUEST_MAX_RETRIES": "0", "MLFLOW_HTTP_REQUEST_TIMEOUT": str(ATTEMPT_TIMEOUT_S)})
+    try:
+        yield
+    finally:
+        for name, value in saved.items():
+            if value is None:
+                os.environ.pop(name, None)
+            else:
+                os.environ[name] = value
+
+
 class BufferedRunWriter:
     """Rank 0's writer to the trial's run: batched, so a remote tracking server sees few requests.
 
-    The server may be unreachable for a while (MLflow's client already retries each request for a few
-    minutes). A batch it did not take stays pending, at most `max_pending` values, and is sent again after a
+    The server may be unreachable for a while. Each attempt to send is one request of at most
+    ATTEMPT_TIMEOUT_S (MLflow's own retries are off for it), so a flush never holds training for long. A
+    batch the server did not take stays pending, at most `max_pending` values, and is sent again after a
     backoff while training goes on. Before each checkpoint `deliver` insists: it retries for up to
     `outage_seconds` (OUTAGE_ENV, default 600) and then raises TrackingUnavailable,
     naming the run and how many values are undelivered. The trial then fails loudly (Ray Train retries it
@@ -81,7 +105,8 @@ class BufferedRunWriter:
         while self.client is not None and self.pending:
             batch = self.pending[: self.BATCH_LIMIT]
             try:
-                self.client.log_batch(self.run_id, metrics=batch)
+                with _one_bounded_attempt():
+                    self.client.log_batch(self.run_id, metrics=batch)
             except store.TrackingError as exc:
                 status = exc.get_http_status_code()
                 if 400 <= status < 500 and status != 429:  # the request itself is wrong: retrying cannot help
@@ -97,12 +122,17 @@ class BufferedRunWriter:
         self.failures, self.next_attempt = 0, 0.0
         return True
 
+    # While deliver insists (training waits anyway), it tries at least this often: a server back after a long
+    # outage is found within seconds, not after add()'s backoff of up to a minute.
+    DELIVER_RETRY_S = 5.0
+
     def deliver(self) -> None:
-        """Send everything pending, retrying with backoff for up to outage_seconds; raise if that fails."""
+        """Send everything pending, retrying for up to outage_seconds; raise if that fails."""
         deadline = time.monotonic() + self.outage_seconds
         while not self.flush():
             if time.monotonic() >= deadline:
                 raise TrackingUnavailable(
                     f"MLflow tracking server {self.tracking_uri} unreachable for over {self.outage_seconds:.0f} s: "
                     f"{len(self.pending)} metric values of run {self.run_id} not delivered ({self.last_error})")
-            time.sleep(max(0.0, min(self.next_attempt, deadline) - time.monotonic()))
+            wake = min(self.next_attempt, time.monotonic() + self.DELIVER_RETRY_S, deadline)
+            time.sleep(max(0.0, wake - time.monotonic()))
