@@ -10,6 +10,7 @@ checkpoint keeps writing to the same run instead of opening a duplicate.
 from __future__ import annotations
 
 import logging
+import math
 import os
 import tempfile
 import time
@@ -188,7 +189,9 @@ DRIVER_CPU = 0.01
 def worker_resources(total_cpus: float, concurrency: int, num_workers: int) -> tuple[float, int]:
     """(logical CPUs per worker, torch threads per worker) so that `concurrency` trials fit the cluster."""
     per_trial = total_cpus / concurrency
-    logical = round((per_trial - DRIVER_CPU) / num_workers, 2)
+    # Rounded down: rounded to nearest, (4 - 0.01) / 2 = 1.995 became 2.0, and two such trials asked 8.02 of
+    # 8 CPUs, so the second waited instead of running beside the first.
+    logical = math.floor((per_trial - DRIVER_CPU) / num_workers * 100) / 100
     if logical <= 0:
         raise ValueError(f"{total_cpus} CPUs cannot hold {concurrency} concurrent trials of {num_workers} workers")
     return logical, max(1, int(per_trial // num_workers))
