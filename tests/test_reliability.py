@@ -479,8 +479,20 @@ with mlflow.start_run():
 
 
 @pytest.mark.slow
+def _promote_check(store: str, capsys, *flags: str) -> tuple[int, str]:
+    """pipelines/promote.py --check [flags] in this process (its main, as the command line runs it)."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("promote_cli", ROOT / "pipelines" / "promote.py")
+    promote_cli = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(promote_cli)
+    capsys.readouterr()
+    code = promote_cli.main(["--check", *flags, "--tracking-uri", store])
+    return code, capsys.readouterr().out
+
+
 def test_a_registration_killed_after_the_version_exists_is_completed_not_repeated(tmp_path, minilm_tokenizer,
-                                                                                     restore_mlflow_uris):
+                                                                                     restore_mlflow_uris, capsys):
     """tune.py --resume after a SIGKILL between register_model and the version's description, tags and alias:
     the same registration key finds the version and completes it; promote.py --check sees the gap before."""
     folder = tiny_model_folder(tmp_path / "model", minilm_tokenizer, max_length=48)
@@ -492,8 +504,8 @@ def test_a_registration_killed_after_the_version_exists_is_completed_not_repeate
     (half,) = client.search_model_versions(f"name = '{NAME}'")
     assert not half.description and "run_id" not in half.tags and half.tags["anchor_rm.registration_key"] == "tune-run:abc"
 
-    check = run_pipeline("promote.py", "--check", "--tracking-uri", store, cwd=tmp_path)
-    assert check.returncode == 1 and "v1: missing the run_id tag, the description" in check.stdout, check.stdout
+    code, out = _promote_check(store, capsys)
+    assert code == 1 and "v1: missing the run_id tag, the description" in out, out
 
     configure(store, "killed-registration")
     with mlflow.start_run():
@@ -502,15 +514,14 @@ def test_a_registration_killed_after_the_version_exists_is_completed_not_repeate
     assert again.version == "1" and [str(v.version) for v in versions] == ["1"]  # completed, not registered twice
     assert versions[0].description and versions[0].tags["run_id"] == half.run_id
     assert str(client.get_model_version_by_alias(NAME, "challenger").version) == "1"
-    check = run_pipeline("promote.py", "--check", "--tracking-uri", store, cwd=tmp_path)
-    assert check.returncode == 0 and "every version is complete" in check.stdout, check.stdout
+    code, out = _promote_check(store, capsys)
+    assert code == 0 and "every version is complete" in out, out
     with mlflow.start_run():  # another key: a new version
         assert registry.log_and_register(folder, _report(), NAME, registration_key="tune-run:def").version == "2"
 
 
-@pytest.mark.slow
 def test_check_repair_removes_half_made_versions_but_not_one_an_alias_names(tmp_path, minilm_tokenizer,
-                                                                            restore_mlflow_uris):
+                                                                            restore_mlflow_uris, capsys):
     folder = tiny_model_folder(tmp_path / "model", minilm_tokenizer, max_length=48)
     store = f"sqlite:///{tmp_path / 'mlflow.db'}"
     configure(store, "repair")
@@ -521,9 +532,9 @@ def test_check_repair_removes_half_made_versions_but_not_one_an_alias_names(tmp_
         bare = [str(MlflowClient().create_model_version(NAME, f"{run.info.artifact_uri}/model", run_id=run.info.run_id).version)
                 for _ in range(2)]
     MlflowClient().set_registered_model_alias(NAME, "champion", bare[1])
-    check = run_pipeline("promote.py", "--check", "--repair", "--tracking-uri", store, cwd=tmp_path)
-    assert check.returncode == 1, check.stdout + check.stderr
-    assert f"v{bare[0]}: missing" in check.stdout and "deleted" in check.stdout
-    assert f"v{bare[1]}: missing" in check.stdout and "kept: alias champion names it" in check.stdout
+    code, out = _promote_check(store, capsys, "--repair")
+    assert code == 1, out
+    assert f"v{bare[0]}: missing" in out and "deleted" in out
+    assert f"v{bare[1]}: missing" in out and "kept: alias champion names it" in out
     left = sorted(str(v.version) for v in MlflowClient().search_model_versions(f"name = '{NAME}'"))
     assert left == sorted([complete.version, bare[1]])
