@@ -58,6 +58,19 @@ def _delay(attempt: int, response: httpx.Response | None, backoff: float, max_ba
     return min(max_backoff, backoff * 2 ** attempt)
 
 
+def _retry_delay(path: str, attempt: int, retries: int, response: httpx.Response | None, error: Exception | None,
+                 backoff: float, max_backoff: float) -> float | None:
+    """Seconds to wait before the next attempt; None when this attempt's response is the answer (or the
+    final error, which _answer raises). A connection error on the last attempt raises here."""
+    if error is not None:
+        if attempt == retries:
+            raise RewardServiceError(f"POST {path}: {type(error).__name__}: {error}") from error
+        return _delay(attempt, None, backoff, max_backoff)
+    if response.status_code not in RETRY_STATUSES or attempt == retries:
+        return None
+    return _delay(attempt, response, backoff, max_backoff)
+
+
 def _answer(response: httpx.Response) -> Any:
     if response.status_code >= 400:
         try:
@@ -83,17 +96,15 @@ class RewardClient:
 
     def _post(self, path: str, body: dict) -> Any:
         for attempt in range(self.retries + 1):
-            response = None
+            response, error = None, None
             try:
                 response = self._http.post(path, json=body)
-                if response.status_code not in RETRY_STATUSES:
-                    return _answer(response)
             except httpx.TransportError as exc:
-                if attempt == self.retries:
-                    raise RewardServiceError(f"POST {path}: {type(exc).__name__}: {exc}") from exc
-            if attempt < self.retries:
-                time.sleep(_delay(attempt, response, self.backoff, self.max_backoff))
-        return _answer(response)
+                error = exc
+            delay = _retry_delay(path, attempt, self.retries, response, error, self.backoff, self.max_backoff)
+            if delay is None:
+                return _answer(response)
+            time.sleep(delay)
 
     def score(self, pairs: Sequence[tuple[str, str]]) -> list[float]:
         """One reward per (prompt, response) pair, in order."""
@@ -128,17 +139,15 @@ class AsyncRewardClient:
 
     async def _post(self, path: str, body: dict) -> Any:
         for attempt in range(self.retries + 1):
-            response = None
+            response, error = None, None
             try:
                 response = await self._http.post(path, json=body)
-                if response.status_code not in RETRY_STATUSES:
-                    return _answer(response)
             except httpx.TransportError as exc:
-                if attempt == self.retries:
-                    raise RewardServiceError(f"POST {path}: {type(exc).__name__}: {exc}") from exc
-            if attempt < self.retries:
-                await asyncio.sleep(_delay(attempt, response, self.backoff, self.max_backoff))
-        return _answer(response)
+                error = exc
+            delay = _retry_delay(path, attempt, self.retries, response, error, self.backoff, self.max_backoff)
+            if delay is None:
+                return _answer(response)
+            await asyncio.sleep(delay)
 
     async def score(self, pairs: Sequence[tuple[str, str]]) -> list[float]:
         return (await self._post("/score", _pairs_body(pairs)))["rewards"]

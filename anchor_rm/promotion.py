@@ -400,13 +400,8 @@ def preview(decision: Decision, *, force: bool = False) -> PromotionResult:
     return PromotionResult(status, decision, champion_of(decision), decision.previous_champion, force)
 
 
-def rollback(
-    name: str,
-    *,
-    dry_run: bool = False,
-    settle_seconds: float = DEFAULT_SETTLE_SECONDS,
-    sleep: Callable[[float], None] = time.sleep,
-) -> RollbackResult:
+def rollback(name: str, *, dry_run: bool = False, settle_seconds: float = DEFAULT_SETTLE_SECONDS,
+             sleep: Callable[[float], None] = time.sleep) -> RollbackResult:
     """Point `champion` back at `previous-champion`, and `previous-champion` at the version rolled back
     from (so a second rollback undoes the first). No gates: a rollback restores a state that was live."""
     aliases = read_aliases(name)

@@ -21,7 +21,7 @@ from typing import Any, Sequence
 from pydantic import BaseModel, ConfigDict, Field
 
 from anchor_rm.scoring import conversation_to_pair, rank, sigmoid, split_transcript
-from service.schemas import LIMIT_SETTINGS, RequestError, ServingLimits, check_text
+from service.schemas import RequestError, ServingLimits, check_count, check_text
 
 # Clients send fields we do not use (vLLM's truncate_prompt_tokens, priority, ...): accepted and ignored,
 # as vLLM does. Inputs never appear in validation messages (they reach the server log).
@@ -35,16 +35,6 @@ class Pairs:
     prompts: list[str]
     responses: list[str]
     prompt_found: list[bool]
-
-
-def _check_count(field_name: str, values: Any, limit: int, setting: str) -> None:
-    if not isinstance(values, list):
-        raise RequestError(field_name, f"must be a list, got {type(values).__name__}")
-    if not values:
-        raise RequestError(field_name, "is empty; send at least one")
-    if len(values) > limit:
-        raise RequestError(field_name, f"{len(values)} entries, over the limit of {limit} ({setting}, "
-                                       f"{LIMIT_SETTINGS[setting]})")
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -82,7 +72,7 @@ def classify_pairs(request: ClassifyRequest, limits: ServingLimits) -> Pairs:
         check_text("messages[-1].content", response, limits)
         return Pairs([prompt], [response], [True])
     texts = [request.input] if isinstance(request.input, str) else request.input
-    _check_count("input", texts, limits.max_items, "max_items")
+    check_count("input", texts, limits.max_items, "max_items")
     pairs = Pairs([], [], [])
     for i, text in enumerate(texts):
         if not isinstance(text, str):
@@ -185,7 +175,7 @@ def rerank_candidates(request: RerankRequest, limits: ServingLimits) -> Rerank:
         raise RequestError("documents", "send exactly one of documents (Cohere) and texts (TEI)")
     field_name = "texts" if request.texts is not None else "documents"
     items = request.texts if request.texts is not None else request.documents
-    _check_count(field_name, items, limits.max_candidates, "max_candidates")
+    check_count(field_name, items, limits.max_candidates, "max_candidates")
     documents = []
     for i, item in enumerate(items):
         text = item.get("text") if isinstance(item, dict) else item

@@ -167,7 +167,7 @@ def check_text(field_name: str, value: Any, limits: ServingLimits, *, allow_empt
     return value
 
 
-def _check_count(field_name: str, values: Any, limit: int, setting: str) -> None:
+def check_count(field_name: str, values: Any, limit: int, setting: str) -> None:
     if not isinstance(values, (list, tuple)):
         raise RequestError(field_name, f"must be a list, got {type(values).__name__}")
     if not values:
@@ -179,7 +179,7 @@ def _check_count(field_name: str, values: Any, limit: int, setting: str) -> None
 
 def check_pairs(prompts: Sequence[str], responses: Sequence[str], limits: ServingLimits) -> None:
     """/score: 1 to max_items pairs, no empty or oversized text."""
-    _check_count("items", list(prompts), limits.max_items, "max_items")
+    check_count("items", list(prompts), limits.max_items, "max_items")
     for i, (prompt, response) in enumerate(zip(prompts, responses)):
         check_text(f"items[{i}].prompt", prompt, limits)
         check_text(f"items[{i}].response", response, limits)
@@ -187,7 +187,7 @@ def check_pairs(prompts: Sequence[str], responses: Sequence[str], limits: Servin
 
 def check_best_of_n(prompt: str, candidates: Sequence[str], limits: ServingLimits) -> None:
     check_text("prompt", prompt, limits)
-    _check_count("candidates", candidates, limits.max_candidates, "max_candidates")
+    check_count("candidates", candidates, limits.max_candidates, "max_candidates")
     for i, candidate in enumerate(candidates):
         check_text(f"candidates[{i}]", candidate, limits)
 
@@ -216,7 +216,7 @@ def split_queries(queries: Sequence[str], prompts: Sequence[str] | None, limits:
     """
     if isinstance(queries, (list, tuple)) and not queries and not prompts:
         return SplitQueries([], [], [])
-    _check_count("query", queries, limits.max_items, "max_items")
+    check_count("query", queries, limits.max_items, "max_items")
     for i, query in enumerate(queries):
         check_text(f"query[{i}]", query, limits)
     if prompts is not None:
