@@ -172,3 +172,61 @@ def run_tags(model: ResolvedModel, teacher: ResolvedModel | None) -> dict[str, s
     if teacher is not None and teacher.run_id:
         tags[TEACHER_RUN_TAG] = teacher.run_id
     return tags
+
+
+# ---------------------------------------------------------------------------------------------------
+# The whole evaluation, as pipelines/evaluate.py runs it.
+
+def evaluate_and_record(sets: Sequence[EvaluationSet], model_uri: str, *, teacher_uri: str | None,
+                        look_for_teacher: bool, id_name: str | None, max_length: int | None, batch_size: int,
+                        precision: str, tracking_uri: str, log_run: bool, connect: bool,
+                        out: Path) -> tuple[EvaluationReport, str | None]:
+    """Resolve the model (and its teacher: `teacher_uri`, else the one its training run names when
+    `look_for_teacher`), score every set, write the report into `out`, and (with `log_run`) record it all as
+    a run of the evaluations experiment. Returns (report, run id or None). MLflow errors become one
+    ValueError naming the store."""
+    import logging
+    import tempfile
+    from contextlib import nullcontext
+
+    from anchor_rm.mlflow_edge import keys, runs, store
+    from anchor_rm.report_files import write_report
+    from anchor_rm.workflow import load_saved
+
+    log = logging.getLogger("anchor_rm")
+    try:
+        experiment_id = None
+        if log_run:
+            experiment_id = store.configure(tracking_uri, EVALUATION_EXPERIMENT)
+        elif connect:
+            store.connect(tracking_uri)  # a models:/ or runs:/ URI, without creating an experiment
+        with tempfile.TemporaryDirectory(prefix="anchor-rm-evaluate-") as tmp:
+            model = resolve_model_uri(model_uri, Path(tmp) / "student")
+            log.info("model: %s (%s)", model.name, model.folder)
+            teacher, why = None, "no teacher: --no-teacher"
+            if teacher_uri:
+                teacher, why = resolve_model_uri(teacher_uri, Path(tmp) / "teacher"), f"teacher: {teacher_uri}"
+            elif look_for_teacher:
+                teacher, why = find_teacher(model, tmp)
+            log.info("%s", why)
+            source = training_source(model)
+            if id_name is None and source in [s.name for s in sets]:
+                log.info("hint: the model was trained on %s; --id %s adds WRG and NTS", source, source)
+            student_rm = load_saved(model.folder, max_length)
+            teacher_rm = load_saved(teacher.folder, max_length) if teacher else None
+            rows = score_sets(student_rm, sets, teacher=teacher_rm, id_name=id_name, batch_size=batch_size,
+                              precision=precision)
+
+        run_context = runs.start_run(experiment_id=experiment_id, run_name=f"evaluate {model.name}") if log_run \
+            else nullcontext()
+        with run_context as run_id:
+            report = evaluation_report(model_info(model, teacher, run_id, precision), rows, sets)
+            paths = write_report(report, out)
+            if run_id is not None:
+                runs.set_tags(run_tags(model, teacher))
+                runs.log_params({**run_params(model, teacher, sets, id_name), "precision": precision})
+                runs.log_metrics(keys.evaluation_metrics(report))
+                runs.log_files(paths.values(), keys.REPORT_ARTIFACT)  # only the report: out may hold other files
+    except store.TrackingError as exc:
+        raise ValueError(f"MLflow at {tracking_uri}: {store.message(exc)}") from None
+    return report, run_id

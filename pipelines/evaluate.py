@@ -28,19 +28,14 @@ and the whole evaluation is recorded as an MLflow run in the experiment anchor-r
 from __future__ import annotations
 
 import argparse
-import logging
 import os
 import sys
-import tempfile
-from contextlib import nullcontext
 from datetime import datetime
 from pathlib import Path
 
 os.environ.setdefault("MLFLOW_ENABLE_ARTIFACTS_PROGRESS_BAR", "false")  # one bar per download drowns the log
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _common import add_precision_argument, clean_errors, setup_logging  # noqa: E402
-
-log = logging.getLogger("anchor_rm")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -100,10 +95,9 @@ def _uses_mlflow(args) -> bool:
 
 def evaluate(args) -> int:
     from anchor_rm import evaluation as ev
-    from anchor_rm.mlflow_edge import keys, runs, store
-    from anchor_rm.report_files import report_to_markdown, write_report
+    from anchor_rm.mlflow_edge import store
     from anchor_rm.precision import resolve_precision
-    from anchor_rm.workflow import load_saved
+    from anchor_rm.report_files import report_to_markdown
 
     _check_args(args)
     precision = resolve_precision(args.precision)
@@ -115,45 +109,11 @@ def evaluate(args) -> int:
         print(s.summary())
 
     tracking_uri = store.resolve_tracking_uri(args.tracking_uri)
-    try:
-        experiment_id = None
-        if not args.no_log:
-            experiment_id = store.configure(args.tracking_uri, ev.EVALUATION_EXPERIMENT)
-        elif _uses_mlflow(args):
-            store.connect(args.tracking_uri)  # without creating an experiment
-        with tempfile.TemporaryDirectory(prefix="anchor-rm-evaluate-") as tmp:
-            model = ev.resolve_model_uri(args.model, Path(tmp) / "student")
-            log.info("model: %s (%s)", model.name, model.folder)
-            teacher, why = None, "no teacher: --no-teacher"
-            if args.teacher:
-                teacher, why = ev.resolve_model_uri(args.teacher, Path(tmp) / "teacher"), f"teacher: {args.teacher}"
-            elif not args.no_teacher:
-                teacher, why = ev.find_teacher(model, tmp)
-            log.info("%s", why)
-            source = ev.training_source(model)
-            if args.id_data is None and source in args.data:
-                log.info("hint: the model was trained on %s; --id %s adds WRG and NTS", source, source)
-
-            student_rm = load_saved(model.folder, args.max_length)
-            teacher_rm = load_saved(teacher.folder, args.max_length) if teacher else None
-            rows = ev.score_sets(student_rm, sets, teacher=teacher_rm, id_name=args.id_data, batch_size=args.batch_size,
-                                 precision=precision)
-
-        out = args.out or Path.cwd() / f"evaluation-{datetime.now().strftime('%Y%m%d-%H%M%S')}"
-        run_context = nullcontext() if args.no_log else runs.start_run(
-            experiment_id=experiment_id, run_name=f"evaluate {model.name}")
-        with run_context as run_id:
-            report = ev.evaluation_report(ev.model_info(model, teacher, run_id, precision), rows, sets)
-            paths = write_report(report, out)
-            if run_id is not None:
-                runs.set_tags(ev.run_tags(model, teacher))
-                runs.log_params({**ev.run_params(model, teacher, sets, args.id_data), "precision": precision})
-                runs.log_metrics(keys.evaluation_metrics(report))
-                # only the report: --out may be a folder with other files
-                runs.log_files(paths.values(), keys.REPORT_ARTIFACT)
-    except store.TrackingError as exc:
-        raise ValueError(f"MLflow at {tracking_uri}: {store.message(exc)}") from None
-
+    out = args.out or Path.cwd() / f"evaluation-{datetime.now().strftime('%Y%m%d-%H%M%S')}"
+    report, run_id = ev.evaluate_and_record(
+        sets, args.model, teacher_uri=args.teacher, look_for_teacher=not args.no_teacher, id_name=args.id_data,
+        max_length=args.max_length, batch_size=args.batch_size, precision=precision, tracking_uri=tracking_uri,
+        log_run=not args.no_log, connect=_uses_mlflow(args), out=out)
     print()
     print(report_to_markdown(report))
     print(f"report: {out}/report.md (and report.json, report.png)")

@@ -16,17 +16,13 @@ child run. The selected model is evaluated once on the test splits and registere
 from __future__ import annotations
 
 import argparse
-import logging
 import sys
-import time
-from datetime import datetime
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from _common import add_precision_argument, apply_shared_flags, clean_errors, protocol_parser, setup_logging  # noqa: E402
 
-log = logging.getLogger("anchor_rm")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -62,28 +58,6 @@ def tune_config(args):
     return apply_shared_flags(tune_preset(args.preset, args.category), args, {"epochs": args.epochs})
 
 
-def experiment_name(args, storage: Path) -> str:
-    prefix = f"{args.category}-{args.preset}"
-    if args.name:
-        return args.name
-    if args.resume:
-        existing = sorted(p.name for p in storage.glob(f"{prefix}-*") if p.is_dir())
-        if not existing:
-            raise ValueError(f"--resume: no experiment named {prefix}-* under {storage}; pass --name")
-        return existing[-1]
-    return f"{prefix}-{datetime.now().strftime('%Y%m%d-%H%M%S')}"
-
-
-def parent_run(experiment_id: str, name: str, resume: bool) -> str:
-    from anchor_rm.mlflow_edge import keys, runs
-
-    if resume:
-        run_id = runs.find_run(experiment_id, {keys.TUNE_NAME_TAG: name})
-        if run_id is not None:
-            return run_id
-    return runs.create_run(experiment_id, {keys.TUNE_NAME_TAG: name, keys.STAGE_TAG: "tune"}, run_name=f"tune {name}")
-
-
 def use_cluster_token(address: str | None) -> None:
     """`ray start` clusters use token authentication (Ray >= 2.59), and a client sends its token only in
     token mode, which Ray reads when it is imported. Where a token is at hand (RAY_AUTH_TOKEN,
@@ -101,82 +75,40 @@ def main(argv=None) -> int:
     setup_logging(args.verbose)
     use_cluster_token(args.ray_address)
     with clean_errors():
-        return run(args)
+        from anchor_rm.mlflow_edge.registry import default_model_name
+        from anchor_rm.mlflow_edge.store import resolve_tracking_uri
+        from tuning.main_job import MainJobSettings, run_main_job
 
-
-def run(args) -> int:
-    from anchor_rm.experiment import prepare_shared
-    from anchor_rm.mlflow_edge import keys, runs
-    from anchor_rm.mlflow_edge.registry import default_model_name
-    from anchor_rm.mlflow_edge.store import configure, resolve_tracking_uri
-    from anchor_rm.mlflow_edge.writer import outage_seconds_from_env
-    from anchor_rm.report_files import report_to_markdown
-    from tuning.final import register_selected
-    from tuning.search import init_ray, run_search
-    from tuning.trainable import make_payload
-
-    outage_seconds_from_env()  # a bad value fails here, before any stage runs, not later in every trial
-    started = time.perf_counter()
-    cfg = tune_config(args)
-    storage = Path(args.storage_path).resolve()
-    name = experiment_name(args, storage)
-    tracking_uri = resolve_tracking_uri(args.tracking_uri)
-    experiment_id = configure(tracking_uri, f"anchor-rm-{cfg.category}")
-    registered_name = args.registered_name or default_model_name(cfg.category)
-
-    log.info("experiment %s: student %s, teacher %s, source %s, targets %s", name, cfg.student, cfg.teacher,
-             cfg.source, ", ".join(cfg.targets))
-    shared = prepare_shared(cfg, experiment_id)
-    shared_seconds = time.perf_counter() - started
-    log.info("shared stages (data, teacher, ceiling) ready after %.0f s; ceiling - teacher on ID val %s",
-             shared_seconds, "n/a" if shared.gap() is None else f"{shared.gap():+.1f} points")
-    if cfg.min_gap is not None:
-        shared.check_gap(cfg.min_gap)
-
-    parent_id = parent_run(experiment_id, name, args.resume)
-    with runs.start_run(run_id=parent_id):
-        runs.set_tags(shared.tags())
-        if not args.resume:
-            runs.log_params({"preset": args.preset, "category": cfg.category, "student": cfg.student,
-                               "teacher": cfg.teacher, "num_samples": args.num_samples or cfg_num_samples(args),
-                               "concurrency": args.concurrency, "workers_per_trial": args.workers_per_trial,
-                               "epochs": cfg.student_train.epochs, "seed": args.seed, "precision": cfg.precision})
-        existing = runs.run_tag(parent_id, keys.REGISTERED_TAG)
-        init_ray(args.ray_address)
-        payload = make_payload(cfg, shared, tracking_uri=tracking_uri, experiment_id=experiment_id,
-                               parent_run_id=parent_id, storage_path=str(storage / name),
-                               workers_per_trial=args.workers_per_trial, concurrency=args.concurrency,
-                               use_gpu=args.use_gpu)
-        search_started = time.perf_counter()
-        baselines, anchor = run_search(payload, num_samples=args.num_samples or cfg_num_samples(args),
-                                       concurrency=args.concurrency, resume=args.resume, seed=args.seed)
-        search_seconds = time.perf_counter() - search_started
-        if existing:
-            log.info("this experiment already registered %s; nothing more to do", existing)
-            print(f"registered model version: {existing}")
+        cfg = tune_config(args)
+        settings = MainJobSettings(
+            preset=args.preset, storage_path=args.storage_path, name=args.name, resume=args.resume,
+            tracking_uri=resolve_tracking_uri(args.tracking_uri),
+            registered_name=args.registered_name or default_model_name(cfg.category), num_samples=args.num_samples,
+            concurrency=args.concurrency, workers_per_trial=args.workers_per_trial, use_gpu=args.use_gpu,
+            ray_address=args.ray_address, seed=args.seed)
+        result = run_main_job(cfg, settings)
+        if result.final is None:
+            print(f"registered model version: {result.already_registered}")
             return 0
-        final = register_selected(shared, cfg, baselines, anchor, registered_name, parent_id)
-        runs.set_tags({keys.REGISTERED_TAG: f"{final.version.name}/{final.version.version}"})
-    report, version = final.report, final.version
-
-    print(report_to_markdown(report))
-    print("\nTest-split comparison (selection used validation splits only):\n")
-    print(final.comparison)
-    total = time.perf_counter() - started
-    print(f"\nregistered: {version.model_uri} (alias challenger), run {version.run_id}")
-    print(f"report:     runs:/{version.run_id}/report/report.md (and report.json, report.png, comparison.md, "
-          f"nts_vs_lambda.png)")
-    print(f"wall time {total:.0f} s: shared stages {shared_seconds:.0f} s, search {search_seconds:.0f} s "
-          f"({len(baselines) + len(anchor)} trials), final evaluation and registration {total - shared_seconds - search_seconds:.0f} s")
-    print(f"promote: python pipelines/promote.py --name {version.name} --version {version.version}")
-    print(f"browse:  mlflow ui --backend-store-uri {tracking_uri}")
+        print_outcome(result, settings.tracking_uri)
     return 0
 
 
-def cfg_num_samples(args) -> int:
-    from anchor_rm.config import TUNE_SAMPLES
+def print_outcome(result, tracking_uri: str) -> None:
+    from anchor_rm.report_files import report_to_markdown
 
-    return TUNE_SAMPLES[args.preset]
+    version, seconds = result.final.version, result.seconds
+    print(report_to_markdown(result.final.report))
+    print("\nTest-split comparison (selection used validation splits only):\n")
+    print(result.final.comparison)
+    print(f"\nregistered: {version.model_uri} (alias challenger), run {version.run_id}")
+    print(f"report:     runs:/{version.run_id}/report/report.md (and report.json, report.png, comparison.md, "
+          f"nts_vs_lambda.png)")
+    print(f"wall time {seconds['total']:.0f} s: shared stages {seconds['shared']:.0f} s, search {seconds['search']:.0f} s "
+          f"({result.trials} trials), final evaluation and registration "
+          f"{seconds['total'] - seconds['shared'] - seconds['search']:.0f} s")
+    print(f"promote: python pipelines/promote.py --name {version.name} --version {version.version}")
+    print(f"browse:  mlflow ui --backend-store-uri {tracking_uri}")
 
 
 if __name__ == "__main__":

@@ -1,0 +1,115 @@
+"""The main job, step by step (pipelines/tune.py reads the flags and prints the outcome; this runs it):
+shared stages (data, teacher, ceiling) and the gap gate, the tune run in MLflow, the search on Ray, and
+the final evaluation and registration (tuning/final.py)."""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass, field
+from datetime import datetime
+from pathlib import Path
+
+from anchor_rm.config import TUNE_SAMPLES, ProtocolConfig
+from anchor_rm.experiment import prepare_shared
+from anchor_rm.mlflow_edge import keys, runs
+from anchor_rm.mlflow_edge.store import configure
+from anchor_rm.mlflow_edge.writer import outage_seconds_from_env
+from tuning.final import FinalResult, register_selected
+from tuning.search import init_ray, run_search
+from tuning.trainable import make_payload
+
+log = logging.getLogger("anchor_rm")
+
+
+@dataclass
+class MainJobSettings:
+    """What pipelines/tune.py's flags decide beyond the protocol itself."""
+
+    preset: str = "default"
+    storage_path: str = "ray_results"
+    name: str | None = None  # default: <category>-<preset>-<time>, or with resume the latest such
+    resume: bool = False
+    tracking_uri: str = ""
+    registered_name: str = ""
+    num_samples: int | None = None  # default: TUNE_SAMPLES[preset]
+    concurrency: int = 1
+    workers_per_trial: int = 1
+    use_gpu: str = "auto"
+    ray_address: str | None = None
+    seed: int = 0
+
+
+@dataclass
+class MainJobResult:
+    name: str
+    final: FinalResult | None  # None when the experiment had registered its version already
+    already_registered: str | None = None
+    seconds: dict[str, float] = field(default_factory=dict)  # shared, search, total
+    trials: int = 0
+
+
+def experiment_name(prefix: str, storage: Path, name: str | None, resume: bool) -> str:
+    if name:
+        return name
+    if resume:
+        existing = sorted(p.name for p in storage.glob(f"{prefix}-*") if p.is_dir())
+        if not existing:
+            raise ValueError(f"--resume: no experiment named {prefix}-* under {storage}; pass --name")
+        return existing[-1]
+    return f"{prefix}-{datetime.now().strftime('%Y%m%d-%H%M%S')}"
+
+
+def parent_run(experiment_id: str, name: str, resume: bool) -> str:
+    """The tune run of experiment `name`: found again on resume, else new."""
+    if resume:
+        run_id = runs.find_run(experiment_id, {keys.TUNE_NAME_TAG: name})
+        if run_id is not None:
+            return run_id
+    return runs.create_run(experiment_id, {keys.TUNE_NAME_TAG: name, keys.STAGE_TAG: "tune"}, run_name=f"tune {name}")
+
+
+def run_main_job(cfg: ProtocolConfig, settings: MainJobSettings) -> MainJobResult:
+    outage_seconds_from_env()  # a bad value fails here, before any stage runs, not later in every trial
+    started = time.perf_counter()
+    storage = Path(settings.storage_path).resolve()
+    name = experiment_name(f"{cfg.category}-{settings.preset}", storage, settings.name, settings.resume)
+    experiment_id = configure(settings.tracking_uri, f"anchor-rm-{cfg.category}")
+    num_samples = settings.num_samples or TUNE_SAMPLES[settings.preset]
+
+    log.info("experiment %s: student %s, teacher %s, source %s, targets %s", name, cfg.student, cfg.teacher,
+             cfg.source, ", ".join(cfg.targets))
+    shared = prepare_shared(cfg, experiment_id)
+    shared_seconds = time.perf_counter() - started
+    log.info("shared stages (data, teacher, ceiling) ready after %.0f s; ceiling - teacher on ID val %s",
+             shared_seconds, "n/a" if shared.gap() is None else f"{shared.gap():+.1f} points")
+    if cfg.min_gap is not None:
+        shared.check_gap(cfg.min_gap)
+
+    parent_id = parent_run(experiment_id, name, settings.resume)
+    with runs.start_run(run_id=parent_id):
+        runs.set_tags(shared.tags())
+        if not settings.resume:
+            runs.log_params({"preset": settings.preset, "category": cfg.category, "student": cfg.student,
+                             "teacher": cfg.teacher, "num_samples": num_samples, "concurrency": settings.concurrency,
+                             "workers_per_trial": settings.workers_per_trial, "epochs": cfg.student_train.epochs,
+                             "seed": settings.seed, "precision": cfg.precision})
+        existing = runs.run_tag(parent_id, keys.REGISTERED_TAG)
+        init_ray(settings.ray_address)
+        payload = make_payload(cfg, shared, tracking_uri=settings.tracking_uri, experiment_id=experiment_id,
+                               parent_run_id=parent_id, storage_path=str(storage / name),
+                               workers_per_trial=settings.workers_per_trial, concurrency=settings.concurrency,
+                               use_gpu=settings.use_gpu)
+        search_started = time.perf_counter()
+        baselines, anchor = run_search(payload, num_samples=num_samples, concurrency=settings.concurrency,
+                                       resume=settings.resume, seed=settings.seed)
+        search_seconds = time.perf_counter() - search_started
+        result = MainJobResult(name, None, existing, {"shared": shared_seconds, "search": search_seconds},
+                               len(baselines) + len(anchor))
+        if existing:
+            log.info("this experiment already registered %s; nothing more to do", existing)
+            return result
+        result.final = register_selected(shared, cfg, baselines, anchor, settings.registered_name, parent_id)
+        runs.set_tags({keys.REGISTERED_TAG: f"{result.final.version.name}/{result.final.version.version}"})
+    result.seconds["total"] = time.perf_counter() - started
+    return result
