@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import threading
 import time
 
 import httpx
@@ -237,4 +236,4 @@ def test_the_async_client_and_the_trl_reward_function():
     conversational = reward(prompts=[[{"role": "user", "content": "Egg?"}]],
                             completions=[[{"role": "assistant", "content": "Boil."}]])
     assert conversational == [5.0] and calls[-1] == [("\n\nHuman: Egg?\n\nAssistant:", "Boil.")]
-    assert reward.__name__ == "anchor_rm_reward" and not threading.current_thread().daemon
+    assert reward.__name__ == "anchor_rm_reward"  # TRL names the logged reward after it
