@@ -26,8 +26,8 @@ from _common import add_precision_argument, apply_shared_flags, clean_errors, pr
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = protocol_parser(__doc__, "default: the embedded default (15 min on 2 cores with native bf16, about 42 "
-                                 "estimated on AVX2-only ones: README, Precision and speed); smoke: tiny, a few minutes")
+    p = protocol_parser(__doc__, "default: the embedded default (15 min on 2 cores with native bf16, about 55 "
+                                 "estimated on an AVX2-only one: README, Precision and speed); smoke: tiny, a few minutes")
     p.add_argument("--num-samples", type=int, help="ANCHOR configurations Optuna tries (default: preset's)")
     p.add_argument("--concurrency", type=int, default=1, help="trials running at once (default 1)")
     p.add_argument("--workers-per-trial", type=int, default=1, help="Ray Train workers (DDP processes) per trial")
