@@ -70,9 +70,10 @@ class Settings:
     api_key: str | None = field(default=None, repr=False)
     host: str = "127.0.0.1"
     port: int = 3000
-    max_items: int = 256
-    max_candidates: int = 64
-    max_text_bytes: int = 32768
+    # The request limits' defaults live in one place, schemas.ServingLimits.
+    max_items: int = ServingLimits.max_items
+    max_candidates: int = ServingLimits.max_candidates
+    max_text_bytes: int = ServingLimits.max_text_bytes
     max_body_bytes: int = 64 * 1024 * 1024
     batching: bool = True
     max_batch_size: int = 32

@@ -57,13 +57,13 @@ class ScoreItem(BaseModel):
 
 class ScoreRequest(BaseModel):
     model_config = _STRICT
-    items: list[ScoreItem] = Field(description="Prompt-response pairs, at most ANCHOR_RM_MAX_ITEMS (256).")
+    items: list[ScoreItem] = Field(description="Prompt-response pairs, at most ANCHOR_RM_MAX_ITEMS.")
 
 
 class BestOfNRequest(BaseModel):
     model_config = _STRICT
     prompt: str = Field(description="The prompt every candidate answers.")
-    candidates: list[str] = Field(description="Candidate responses, 1 to ANCHOR_RM_MAX_CANDIDATES (64).")
+    candidates: list[str] = Field(description="Candidate responses, 1 to ANCHOR_RM_MAX_CANDIDATES.")
 
 
 class CompareRequest(BaseModel):
