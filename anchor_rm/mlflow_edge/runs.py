@@ -23,17 +23,6 @@ class StageRun:
     reused: bool
 
 
-def find_stage_run(experiment_id: str, stage: str, key: str) -> str | None:
-    runs = store.client().search_runs(
-        [experiment_id],
-        filter_string=(f"tags.`{keys.STAGE_TAG}` = '{stage}' and tags.`{keys.CACHE_KEY_TAG}` = '{key}' "
-                       "and attributes.status = 'FINISHED'"),
-        max_results=1,
-        order_by=["attributes.start_time DESC"],
-    )
-    return runs[0].info.run_id if runs else None
-
-
 def stage_run(
     experiment_id: str,
     stage: str,
@@ -51,7 +40,7 @@ def stage_run(
     whatever it returns (JSON-serialisable) is stored as outputs.json and handed back.
     """
     if not force:
-        run_id = find_stage_run(experiment_id, stage, key)
+        run_id = find_run(experiment_id, {keys.STAGE_TAG: stage, keys.CACHE_KEY_TAG: key}, finished_only=True)
         if run_id is not None:
             path = mlflow.artifacts.download_artifacts(run_id=run_id, artifact_path=keys.OUTPUTS_FILE)
             return StageRun(run_id, json.loads(Path(path).read_text()), reused=True)
@@ -163,11 +152,15 @@ class ActiveRunSink:
 # ---------------------------------------------------------------------------------------------------
 # Runs made by id, without an active run: the tune parent run and Tune's trial runs.
 
-def find_run(experiment_id: str, tags: dict[str, str]) -> str | None:
-    """The newest run of the experiment carrying every tag in `tags`."""
+def find_run(experiment_id: str, tags: dict[str, str], *, finished_only: bool = False,
+             tracking_uri: str | None = None) -> str | None:
+    """The newest run of the experiment carrying every tag in `tags` (only FINISHED ones with
+    `finished_only`); None when there is none."""
     where = " and ".join(f"tags.`{k}` = '{v}'" for k, v in tags.items())
-    runs = store.client().search_runs([experiment_id], filter_string=where, max_results=1,
-                                      order_by=["attributes.start_time DESC"])
+    if finished_only:
+        where += " and attributes.status = 'FINISHED'"
+    runs = store.client(tracking_uri).search_runs([experiment_id], filter_string=where, max_results=1,
+                                                  order_by=["attributes.start_time DESC"])
     return runs[0].info.run_id if runs else None
 
 
@@ -195,12 +188,7 @@ def trial_run(tracking_uri: str, experiment_id: str, parent_run_id: str, trial_i
 
 
 def find_trial_run(tracking_uri: str, experiment_id: str, parent_run_id: str, trial_id: str) -> str | None:
-    runs = store.client(tracking_uri).search_runs(
-        [experiment_id],
-        filter_string=f"tags.`{keys.PARENT_TAG}` = '{parent_run_id}' and tags.`{keys.TRIAL_TAG}` = '{trial_id}'",
-        max_results=1,
-    )
-    return runs[0].info.run_id if runs else None
+    return find_run(experiment_id, {keys.PARENT_TAG: parent_run_id, keys.TRIAL_TAG: trial_id}, tracking_uri=tracking_uri)
 
 
 def end_run(tracking_uri: str, run_id: str, failed: bool, note: str) -> None:
