@@ -115,6 +115,52 @@ def test_the_writer_batches_and_keeps_what_the_server_did_not_take(sqlite_experi
     assert inactive.pending == [] and inactive.flush()
 
 
+def test_a_checkpoint_during_an_outage_keeps_training_going_and_its_values_arrive_once_after_a_restart(
+        sqlite_experiment, tmp_path):
+    """The server unreachable at a checkpoint: one quick attempt, the undelivered values written into the
+    checkpoint folder; a worker restarted from it sends them again, and a value sent twice (the first send
+    reached the server, the answer did not) is kept once. Past the outage limit a checkpoint raises."""
+    import time
+
+    from anchor_rm.mlflow_edge.store import TrackingError, client
+    from anchor_rm.mlflow_edge.writer import PENDING_FILE, BufferedRunWriter, TrackingUnavailable
+
+    uri = mlflow.get_tracking_uri()
+    run_id = MlflowClient().create_run(sqlite_experiment).info.run_id
+    writer = BufferedRunWriter(uri, run_id, active=True, outage_seconds=30)
+    writer.add({"train/loss": 1.0}, 0)
+    writer.checkpoint(tmp_path)  # the server takes it: nothing is left to carry
+    assert writer.pending == [] and not (tmp_path / PENDING_FILE).exists()
+
+    class Unreachable:
+        def log_batch(self, run_id, metrics):
+            raise TrackingError("API request failed: connection refused")
+
+    writer.client = Unreachable()
+    for step in range(1, 6):
+        writer.add({"train/loss": 1.0 / (step + 1), "train/lr": 1e-4}, step)
+    started = time.monotonic()
+    writer.checkpoint(tmp_path)
+    assert time.monotonic() - started < 1 and writer.failures == 1 and len(writer.pending) == 10
+    carried = BufferedRunWriter.read_pending(tmp_path)
+    assert carried == writer.pending
+
+    client(uri).log_batch(run_id, metrics=carried[:4])  # some had reached the server before the worker died
+    restarted = BufferedRunWriter(uri, run_id, active=True, outage_seconds=30)
+    restarted.restore(carried)
+    restarted.add({"train/loss": 0.1}, 6)
+    restarted.deliver()
+    for key, steps in (("train/loss", list(range(7))), ("train/lr", list(range(1, 6)))):
+        history = MlflowClient().get_metric_history(run_id, key)
+        assert sorted(m.step for m in history) == steps, key  # every value once
+
+    writer.outage_seconds = 0.2
+    time.sleep(0.3)
+    with pytest.raises(TrackingUnavailable, match=f"10 metric values of run {run_id} not delivered"):
+        writer.checkpoint(tmp_path)
+    assert writer.blocked_s < 1
+
+
 def test_a_version_that_fails_after_it_exists_is_removed(sqlite_experiment, tmp_path, minilm_tokenizer, monkeypatch):
     from anchor_rm.mlflow_edge import registry
     from anchor_rm.report import SplitResult, build_report
@@ -134,3 +180,14 @@ def test_a_version_that_fails_after_it_exists_is_removed(sqlite_experiment, tmp_
     with pytest.raises(OSError), mlflow.start_run():
         registry.log_and_register(folder, report, "fast-model")
     assert MlflowClient().search_model_versions("name = 'fast-model'") == []
+
+
+@pytest.mark.parametrize("field, value, flag", [("num_samples", 0, "--num-samples"), ("concurrency", 0, "--concurrency"),
+                                               ("workers_per_trial", -1, "--workers-per-trial"),
+                                               ("max_failures", -1, "--max-failures")])
+def test_main_job_settings_refuse_counts_that_cannot_run_naming_the_flag(field, value, flag):
+    from tuning.main_job import MainJobSettings
+
+    with pytest.raises(ValueError, match=f"{flag} must be at least"):
+        MainJobSettings(**{field: value})
+    assert MainJobSettings(max_failures=0, num_samples=None).max_failures == 0

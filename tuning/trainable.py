@@ -102,7 +102,7 @@ def train_loop_per_worker(config: dict) -> None:
     device = ray.train.torch.get_device()
     run_id = config["mlflow_run_id"]
 
-    start_epoch, optimizer_state = 0, None
+    start_epoch, optimizer_state, undelivered = 0, None, []
     checkpoint = ray.train.get_checkpoint()
     if checkpoint is None:
         rm = load_pretrained(cfg.student, train_cfg.max_length, train_cfg.seed)
@@ -110,11 +110,14 @@ def train_loop_per_worker(config: dict) -> None:
         with checkpoint.as_directory() as folder:
             rm = load_saved(folder)
             state = torch.load(Path(folder) / TRAINING_STATE, weights_only=False)
+            undelivered = BufferedRunWriter.read_pending(folder)
         start_epoch, optimizer_state = state["epoch"] + 1, state["optimizer_state"]
     rm.model.to(device).train()
     # The frozen reference's states: computed once by the driver, shared by every trial via the object store.
     reference = ray.get(payload.reference_states) if train_cfg.uses_anchor else None
     writer = BufferedRunWriter(payload.tracking_uri, run_id, active=True) if rank == 0 else None
+    if writer is not None:
+        writer.restore(undelivered)  # what the checkpoint's writer had not sent (the server was unreachable)
     if start_epoch and writer is not None:
         runs.set_run_tag(payload.tracking_uri, run_id, keys.RESUMED_FROM_EPOCH_TAG, str(start_epoch - 1))
     validation = None
@@ -133,10 +136,10 @@ def train_loop_per_worker(config: dict) -> None:
         peak_rss_mb = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
         with tempfile.TemporaryDirectory() as tmp:
             if writer is not None:
-                writer.add({"worker/peak_rss_mb": peak_rss_mb}, epoch)
-                writer.deliver()  # every value up to here reaches MLflow before the checkpoint exists
+                writer.add({"worker/peak_rss_mb": peak_rss_mb, "worker/tracking_blocked_s": writer.blocked_s}, epoch)
                 save_reward_model(rm, tmp, {"method": train_cfg.method, "teacher": cfg.teacher})
                 torch.save({"epoch": epoch, "optimizer_state": opt_state}, Path(tmp) / TRAINING_STATE)
+                writer.checkpoint(tmp)  # one attempt to send; what the server did not take travels in the checkpoint
             tune_metrics = {METRIC: metrics.get("val/mean_nts", 0.0), "val_wrg": metrics.get("val/wrg", 0.0),
                             "val_id_acc": metrics.get(f"val/acc/{keys.metric_name(payload.splits.source)}", 0.0),
                             "epoch": epoch, "worker_peak_rss_mb": peak_rss_mb}
@@ -198,7 +201,8 @@ def worker_resources(total_cpus: float, concurrency: int, num_workers: int) -> t
 
 
 def make_payload(cfg: ProtocolConfig, shared, *, tracking_uri: str, experiment_id: str, parent_run_id: str,
-                 storage_path: str, workers_per_trial: int, concurrency: int, use_gpu: str) -> SharedPayload:
+                 storage_path: str, workers_per_trial: int, concurrency: int, use_gpu: str,
+                 max_failures: int = 2) -> SharedPayload:
     """What every trial shares (experiment.SharedStages -> SharedPayload), sized to the Ray cluster, with the
     frozen reference's states for every layer choice the search may pick in the object store.
     `use_gpu`: yes, no, or auto (when the cluster has a GPU)."""
@@ -216,6 +220,7 @@ def make_payload(cfg: ProtocolConfig, shared, *, tracking_uri: str, experiment_i
         tracking_uri=tracking_uri, experiment_id=experiment_id, parent_run_id=parent_run_id,
         storage_path=storage_path, num_workers=workers_per_trial, cpus_per_worker=cpus_per_worker,
         threads_per_worker=threads_per_worker, use_gpu=use_gpu == "yes" or (use_gpu == "auto" and gpus > 0),
+        max_failures=max_failures,
         tags=shared.tags(),
     )
     started = time.perf_counter()

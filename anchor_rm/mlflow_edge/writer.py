@@ -4,10 +4,12 @@ allowed. Every value is delivered exactly once or the trial fails naming what wa
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 import time
 from contextlib import contextmanager
+from pathlib import Path
 
 from mlflow.entities import Metric
 
@@ -57,17 +59,23 @@ def _one_bounded_attempt():
                 os.environ[name] = value
 
 
+PENDING_FILE = "pending_metrics.json"  # in a checkpoint: the values the server had not taken yet
+
+
 class BufferedRunWriter:
     """Rank 0's writer to the trial's run: batched, so a remote tracking server sees few requests.
 
-    The server may be unreachable for a while. Each attempt to send is one request of at most
-    ATTEMPT_TIMEOUT_S (MLflow's own retries are off for it), so a flush never holds training for long. A
-    batch the server did not take stays pending, at most `max_pending` values, and is sent again after a
-    backoff while training goes on. Before each checkpoint `deliver` insists: it retries for up to
-    `outage_seconds` (OUTAGE_ENV, default 600) and then raises TrackingUnavailable,
-    naming the run and how many values are undelivered. The trial then fails loudly (Ray Train retries it
-    from its last checkpoint; Tune marks its run FAILED) instead of checkpointing past metrics that never
-    arrived: no value is dropped silently.
+    The server may be unreachable for a while; training does not wait for it. Each attempt to send is one
+    request of at most ATTEMPT_TIMEOUT_S (MLflow's own retries are off for it), made only when `max_pending`
+    values or FLUSH_AT values are waiting or a checkpoint is being written, and after a failed attempt not
+    again before a backoff (2, 4, ... 60 s). Values the server has not taken stay pending, and `checkpoint`
+    writes them into the checkpoint folder: a worker restarted from it sends them again (`restore`), and MLflow's
+    SQL store keeps one copy of a value sent twice (same key, value, step and timestamp), so each value arrives
+    once. Two limits make an outage loud instead of silent: a checkpoint after the server has been unreachable
+    for over `outage_seconds` (OUTAGE_ENV, default 600), and `deliver` at the end of training, which insists
+    for up to that long, raise TrackingUnavailable naming the run and how many values are undelivered (Ray
+    Train retries the trial from its last checkpoint; Tune marks its run FAILED). `blocked_s` is the time the
+    training thread spent in attempts to send (deliver at the end excluded).
     """
 
     BATCH_LIMIT = 1000  # MLflow's log_batch limit
@@ -82,8 +90,10 @@ class BufferedRunWriter:
         self.outage_seconds = outage_seconds_from_env() if outage_seconds is None else outage_seconds
         self.max_pending = max_pending
         self.failures = 0  # consecutive failed attempts
+        self.failing_since: float | None = None  # time.monotonic() of the first of them
         self.next_attempt = 0.0  # time.monotonic() before which add() does not try again
         self.last_error = ""
+        self.blocked_s = 0.0
 
     def log(self, metrics: dict[str, float], step: int | None = None) -> None:
         """The metric sink interface (training.MetricSink)."""
@@ -94,10 +104,19 @@ class BufferedRunWriter:
             return
         now = int(time.time() * 1000)
         self.pending += [Metric(key, float(value), now, step) for key, value in metrics.items()]
-        if len(self.pending) >= self.max_pending:
-            self.deliver()  # the buffer is full: wait for the server (or fail) rather than drop values
+        if len(self.pending) >= self.max_pending:  # the buffer is full: wait for the server (or fail), not drop
+            started = time.monotonic()
+            self.deliver()
+            self.blocked_s += time.monotonic() - started
         elif len(self.pending) >= self.FLUSH_AT and time.monotonic() >= self.next_attempt:
-            self.flush()
+            self._timed_flush()
+
+    def _timed_flush(self) -> bool:
+        started = time.monotonic()
+        try:
+            return self.flush()
+        finally:
+            self.blocked_s += time.monotonic() - started
 
     def flush(self) -> bool:
         """One attempt to send everything pending. A batch the server did not take stays pending (and the
@@ -112,6 +131,7 @@ class BufferedRunWriter:
                 if 400 <= status < 500 and status != 429:  # the request itself is wrong: retrying cannot help
                     raise
                 self.failures += 1
+                self.failing_since = self.failing_since or time.monotonic()
                 self.last_error = str(exc).splitlines()[0][:300]
                 delay = min(60.0, 2.0 ** self.failures)
                 self.next_attempt = time.monotonic() + delay
@@ -119,8 +139,42 @@ class BufferedRunWriter:
                             self.run_id, len(self.pending), self.last_error, delay)
                 return False
             del self.pending[: len(batch)]
-        self.failures, self.next_attempt = 0, 0.0
+        self.failures, self.failing_since, self.next_attempt = 0, None, 0.0
         return True
+
+    def _unavailable(self, waited_s: float) -> TrackingUnavailable:
+        return TrackingUnavailable(
+            f"MLflow tracking server {self.tracking_uri} unreachable for over {waited_s:.0f} s (limit "
+            f"{self.outage_seconds:.0f} s, {OUTAGE_ENV}): {len(self.pending)} metric values of run {self.run_id} "
+            f"not delivered ({self.last_error})")
+
+    def checkpoint(self, folder: str | Path) -> None:
+        """Before a checkpoint of `folder`: one attempt to send (unless backing off), and what is still pending
+        written into the folder; training goes on. Raises TrackingUnavailable once the server has been
+        unreachable for longer than outage_seconds."""
+        if self.client is None:
+            return
+        if self.pending and time.monotonic() >= self.next_attempt:
+            self._timed_flush()
+        if not self.pending:
+            return
+        down_s = time.monotonic() - (self.failing_since or time.monotonic())
+        if down_s > self.outage_seconds:
+            raise self._unavailable(down_s)
+        rows = [[m.key, m.value, m.timestamp, m.step] for m in self.pending]
+        (Path(folder) / PENDING_FILE).write_text(json.dumps({"run_id": self.run_id, "metrics": rows}))
+
+    @staticmethod
+    def read_pending(folder: str | Path) -> list:
+        """The values a checkpoint holds that had not reached the server when it was written."""
+        path = Path(folder) / PENDING_FILE
+        if not path.exists():
+            return []
+        return [Metric(key, value, timestamp, step) for key, value, timestamp, step in json.loads(path.read_text())["metrics"]]
+
+    def restore(self, metrics: list) -> None:
+        """Send again, before anything newer, the values a checkpoint held (read_pending)."""
+        self.pending[:0] = metrics
 
     # While deliver insists (training waits anyway), it tries at least this often: a server back after a long
     # outage is found within seconds, not after add()'s backoff of up to a minute.
@@ -128,11 +182,10 @@ class BufferedRunWriter:
 
     def deliver(self) -> None:
         """Send everything pending, retrying for up to outage_seconds; raise if that fails."""
-        deadline = time.monotonic() + self.outage_seconds
+        started = time.monotonic()
+        deadline = started + self.outage_seconds
         while not self.flush():
             if time.monotonic() >= deadline:
-                raise TrackingUnavailable(
-                    f"MLflow tracking server {self.tracking_uri} unreachable for over {self.outage_seconds:.0f} s: "
-                    f"{len(self.pending)} metric values of run {self.run_id} not delivered ({self.last_error})")
+                raise self._unavailable(time.monotonic() - started)
             wake = min(self.next_attempt, time.monotonic() + self.DELIVER_RETRY_S, deadline)
             time.sleep(max(0.0, wake - time.monotonic()))
