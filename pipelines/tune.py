@@ -32,6 +32,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--concurrency", type=int, default=1, help="trials running at once (default 1)")
     p.add_argument("--workers-per-trial", type=int, default=1, help="Ray Train workers (DDP processes) per trial")
     p.add_argument("--epochs", type=int, help="epochs per trial (ASHA may stop a trial after any epoch)")
+    p.add_argument("--max-failures", type=int, default=2, metavar="N",
+                   help="times Ray Train restarts a trial's workers from its last checkpoint after a worker fails "
+                        "(default 2); Tune then retries the whole trial once more")
     p.add_argument("--student", help="student model: short name, folder or hub id")
     p.add_argument("--teacher", help="weak teacher: short name, folder or hub id")
     p.add_argument("--seed", type=int, default=0, help="seed of the splits, the models and the search")
@@ -84,7 +87,8 @@ def main(argv=None) -> int:
             preset=args.preset, storage_path=args.storage_path, name=args.name, resume=args.resume,
             tracking_uri=resolve_tracking_uri(args.tracking_uri),
             registered_name=args.registered_name or default_model_name(cfg.category), num_samples=args.num_samples,
-            concurrency=args.concurrency, workers_per_trial=args.workers_per_trial, use_gpu=args.use_gpu,
+            concurrency=args.concurrency, workers_per_trial=args.workers_per_trial, max_failures=args.max_failures,
+            use_gpu=args.use_gpu,
             ray_address=args.ray_address, seed=args.seed)
         result = run_main_job(cfg, settings)
         if result.final is None:

@@ -67,6 +67,9 @@ class ProgressLog(Callback):
                  trial.trial_id, result.get("epoch"), result.get("val_mean_nts", float("nan")),
                  result.get("val_id_acc", float("nan")), done, len(trials))
 
+    def on_trial_error(self, iteration, trials, trial, **info):
+        log.warning("trial %s failed: %s", trial.trial_id, error_summary(trial))
+
     def on_trial_complete(self, iteration, trials, trial, **info):
         import ray
 

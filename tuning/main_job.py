@@ -35,9 +35,18 @@ class MainJobSettings:
     num_samples: int | None = None  # default: TUNE_SAMPLES[preset]
     concurrency: int = 1
     workers_per_trial: int = 1
+    max_failures: int = 2  # Ray Train restarts of a trial's worker group (FailureConfig)
     use_gpu: str = "auto"
     ray_address: str | None = None
     seed: int = 0
+
+    def __post_init__(self):
+        """Counts a run cannot work with are refused before anything runs, naming the flag."""
+        for flag, value, least in (("--num-samples", self.num_samples, 1), ("--concurrency", self.concurrency, 1),
+                                   ("--workers-per-trial", self.workers_per_trial, 1),
+                                   ("--max-failures", self.max_failures, 0)):
+            if value is not None and value < least:
+                raise ValueError(f"{flag} must be at least {least}, not {value}")
 
 
 @dataclass
@@ -69,6 +78,18 @@ def parent_run(experiment_id: str, name: str, resume: bool) -> str:
     return runs.create_run(experiment_id, {keys.TUNE_NAME_TAG: name, keys.STAGE_TAG: "tune"}, run_name=f"tune {name}")
 
 
+def record_failures(outcomes: list) -> None:
+    """How many trials failed, on the tune run (tag) and in the log, each with its error's last line; the
+    selection goes on among the others (search.best_trial)."""
+    failed = [o for o in outcomes if o.error is not None]
+    runs.set_tags({keys.TRIALS_FAILED_TAG: str(len(failed)), keys.TRIALS_TAG: str(len(outcomes))})
+    if failed:
+        log.warning("%d of %d trials failed; selecting among the others:", len(failed), len(outcomes))
+        for o in failed:
+            lines = [line.strip() for line in o.error.splitlines() if line.strip()]
+            log.warning("  trial %s %s: %s", o.trial_id or "?", o.config, lines[-1][:300] if lines else "?")
+
+
 def run_main_job(cfg: ProtocolConfig, settings: MainJobSettings) -> MainJobResult:
     outage_seconds_from_env()  # a bad value fails here, before any stage runs, not later in every trial
     started = time.perf_counter()
@@ -92,23 +113,25 @@ def run_main_job(cfg: ProtocolConfig, settings: MainJobSettings) -> MainJobResul
         if not settings.resume:
             runs.log_params({"preset": settings.preset, "category": cfg.category, "student": cfg.student,
                              "teacher": cfg.teacher, "num_samples": num_samples, "concurrency": settings.concurrency,
-                             "workers_per_trial": settings.workers_per_trial, "epochs": cfg.student_train.epochs,
+                             "workers_per_trial": settings.workers_per_trial, "max_failures": settings.max_failures,
+                             "epochs": cfg.student_train.epochs,
                              "seed": settings.seed, "precision": cfg.precision})
         existing = runs.run_tag(parent_id, keys.REGISTERED_TAG)
+        if existing:  # a finished experiment: --resume restores nothing, trains nothing, registers nothing
+            log.info("this experiment already registered %s; nothing more to do", existing)
+            return MainJobResult(name, None, existing, {"shared": shared_seconds})
         init_ray(settings.ray_address)
         payload = make_payload(cfg, shared, tracking_uri=settings.tracking_uri, experiment_id=experiment_id,
                                parent_run_id=parent_id, storage_path=str(storage / name),
                                workers_per_trial=settings.workers_per_trial, concurrency=settings.concurrency,
-                               use_gpu=settings.use_gpu)
+                               use_gpu=settings.use_gpu, max_failures=settings.max_failures)
         search_started = time.perf_counter()
         baselines, anchor = run_search(payload, num_samples=num_samples, concurrency=settings.concurrency,
                                        resume=settings.resume, seed=settings.seed)
         search_seconds = time.perf_counter() - search_started
-        result = MainJobResult(name, None, existing, {"shared": shared_seconds, "search": search_seconds},
+        result = MainJobResult(name, None, None, {"shared": shared_seconds, "search": search_seconds},
                                len(baselines) + len(anchor))
-        if existing:
-            log.info("this experiment already registered %s; nothing more to do", existing)
-            return result
+        record_failures(baselines + anchor)
         result.final = register_selected(shared, cfg, baselines, anchor, settings.registered_name, parent_id)
         runs.set_tags({keys.REGISTERED_TAG: f"{result.final.version.name}/{result.final.version.version}"})
     result.seconds["total"] = time.perf_counter() - started

@@ -45,7 +45,8 @@ def _outcomes(grid) -> list[TrialOutcome]:
         metrics = result.metrics or {}
         cfg = {k: result.config.get(k) for k in ("method", "anchor_lambda", "anchor_layers")}
         outcomes.append(TrialOutcome(
-            trial_id=metrics.get("trial_id", ""), config=cfg,
+            # a trial that failed before its first report has no metrics: its folder names it
+            trial_id=metrics.get("trial_id") or (Path(result.path).name if result.path else ""), config=cfg,
             val_mean_nts=float(metrics.get(METRIC, float("nan"))), val_id_acc=float(metrics.get("val_id_acc", float("nan"))),
             epochs=int(metrics.get("training_iteration", 0)), checkpoint_path=metrics.get("checkpoint_path"),
             error=str(result.error) if result.error else None,
