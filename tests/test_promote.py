@@ -390,3 +390,52 @@ def test_two_promotion_threads_racing(register, first):
         assert not errors, errors
         _assert_consistent({v: promotion_text.exit_code(r.status) for v, r in results.items()},
                            {v: promotion_text.format_result(r) for v, r in results.items()}, name)
+
+
+@pytest.mark.parametrize("first", [True, False], ids=["no-champion-yet", "over-a-champion"])
+def test_two_promotions_that_both_read_before_either_writes(register, monkeypatch, first):
+    """The race made certain: both promotions have re-read the champion (step 2) before either writes its
+    aliases (a barrier in front of the write). Both were judged against the same old champion; the later
+    write stands and is the only "promoted"; the earlier one reads the other's version when it verifies and
+    reports "lost-race", untagged."""
+    name = f"overlap-{first}"
+    v1 = register(make_report(ood=(55.0, 53.0)), name)
+    if not first:
+        promotion.promote(name, v1, settle_seconds=0)
+    va, vb = register(make_report(ood=(56.0, 54.0)), name), register(make_report(ood=(57.0, 55.0)), name)
+    both_read = threading.Barrier(2)
+    order: list[str] = []  # the order of the champion writes
+    move = promotion._move_champion
+
+    def move_after_both_read(name_, new, old, settle_seconds, sleep):
+        both_read.wait(timeout=60)
+        if new == vb:  # b writes second, after a has written
+            while not order:
+                threading.Event().wait(0.01)
+        order.append(new)
+        return move(name_, new, old, settle_seconds, sleep)
+
+    monkeypatch.setattr(promotion, "_move_champion", move_after_both_read)
+    results: dict[str, promotion.PromotionResult] = {}
+    errors: list[BaseException] = []
+
+    def run(version: str) -> None:
+        try:
+            results[version] = promotion.promote(name, version, settle_seconds=1.0)
+        except BaseException as exc:  # surfaced below
+            errors.append(exc)
+
+    threads = [threading.Thread(target=run, args=(v,)) for v in (va, vb)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(timeout=120)
+    assert not errors, errors
+    old = None if first else v1
+    assert order == [va, vb]
+    assert all(r.decision.champion is None if first else r.decision.champion.version == v1 for r in results.values())
+    assert results[va].status == "lost-race" and results[va].champion == vb
+    assert results[vb].status == "promoted" and results[vb].champion == vb
+    assert aliases(name)["champion"] == vb and aliases(name).get("previous-champion") == old
+    assert "promoted_at" not in tags(va, name) and tags(vb, name)["promoted_from"] == (old or "none")
+    print({v: promotion_text.format_result(r).splitlines()[0] for v, r in results.items()})
