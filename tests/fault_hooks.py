@@ -27,3 +27,27 @@ def kill_once_at(step: int, rank: int, argument: str) -> None:
         return
     time.sleep(2 * HEALTH_CHECK_INTERVAL_S + 1)
     os.kill(os.getpid(), signal.SIGKILL)
+
+
+def fail_nth_run(step: int, rank: int, argument: str) -> None:
+    """argument "<n>:<file>": every worker of the n-th Train run (in the order their workers first took a step,
+    recorded in the file) raises at its first step, on every attempt: the trial really fails, through Ray
+    Train's restarts and Tune's retry alike."""
+    import ray.train
+
+    n, path = argument.split(":", 1)
+    name = ray.train.get_context().get_experiment_name()  # "train-<trial id>" (tuning/trainable.py)
+    seen = open(path).read().split() if os.path.exists(path) else []
+    if name not in seen:
+        seen.append(name)
+        with open(path, "a") as f:
+            f.write(name + "\n")
+    if seen.index(name) + 1 == int(n):
+        raise RuntimeError(f"injected failure in {name} at step {step} (tests/fault_hooks.py)")
+
+
+def kill_once_at_then_fail_nth_run(step: int, rank: int, argument: str) -> None:
+    """argument "<kill step>:<marker file>:<n>:<file>": kill_once_at and fail_nth_run, both."""
+    kill_step, marker, n, path = argument.split(":", 3)
+    fail_nth_run(step, rank, f"{n}:{path}")
+    kill_once_at(step, rank, f"{kill_step}:{marker}")

@@ -9,6 +9,7 @@ import subprocess
 import sys
 import time
 import urllib.request
+from collections import Counter
 from contextlib import contextmanager
 from pathlib import Path
 
@@ -87,6 +88,11 @@ def run_pipeline(script: str, *args: str, cwd: Path, env: dict | None = None, ti
     full_env.update({"HF_HUB_OFFLINE": "1", **(env or {})})
     return subprocess.run([PYTHON, str(ROOT / "pipelines" / script), *args], cwd=cwd, env=full_env,
                           capture_output=True, text=True, timeout=timeout)
+
+
+def metric_steps(client, run_id: str, key: str) -> Counter:
+    """How many times each step of a run's metric was logged."""
+    return Counter(m.step for m in client.get_metric_history(run_id, key))
 
 
 @contextmanager

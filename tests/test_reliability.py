@@ -4,16 +4,14 @@
   every value arrives, once; an outage longer than allowed fails loudly with the run and the count;
 - an unwritable or full artifact location: one line naming the path, exit code 2, no model version;
 - a failure after the version was created: the half-written version is removed;
-- a Ray Train worker SIGKILLed mid-epoch and then the tune driver SIGKILLed after its first trial, on a
-  `ray start` cluster with an `mlflow server`: `tune.py --resume` finishes, nothing is redone or duplicated,
-  the registry gets exactly one version; meanwhile the tracking server is down for 20 s while a resumed trial
-  trains, and every metric value of that trial still arrives, once.
+
+The killed Ray Train worker, the killed tune driver, the trial that really fails and the tracking outage
+inside a real tune run are in tests/test_tune.py (one tune run carries them all).
 """
 
 from __future__ import annotations
 
 import os
-import re
 import signal
 import subprocess
 import threading
@@ -29,9 +27,8 @@ from anchor_rm.mlflow_edge import registry
 from anchor_rm.mlflow_edge.store import configure
 from anchor_rm.mlflow_edge.writer import OUTAGE_ENV, BufferedRunWriter, TrackingUnavailable, outage_seconds_from_env
 from anchor_rm.report import SplitResult, build_report
-from helpers import (PYTHON, ROOT, free_port, ray_head, run_pipeline, start_mlflow_server, stop_process_group,
+from helpers import (PYTHON, ROOT, free_port, run_pipeline, start_mlflow_server, stop_process_group,
                      tiny_model_folder)
-from tuning.trainable import STEP_HOOK_ENV
 
 NAME = "anchor-rm-helpful"
 
@@ -84,7 +81,7 @@ def test_metrics_logged_during_a_tracking_server_outage_all_arrive_once(tmp_path
         delivered = threading.Event()
         errors: list[BaseException] = []
 
-        def deliver() -> None:  # what a worker does before its checkpoint: wait for the server
+        def deliver() -> None:  # what a worker does at the end of training: wait for the server
             try:
                 logger.deliver()
                 delivered.set()
@@ -304,135 +301,6 @@ def test_a_file_with_no_pair_left_after_filtering_is_one_line_naming_it(tmp_path
     errors = [line for line in result.stderr.splitlines() if line.startswith("error: ")]
     assert len(errors) == 1 and "Traceback" not in result.stderr, result.stderr[-3000:]
     assert str(data) in errors[0] and "no pair left after cleaning" in errors[0], errors[0]
-
-
-# --- a worker and then the driver killed during tune.py -----------------------------------------------
-
-
-def _wait_for_line(path: Path, pattern: str, proc: subprocess.Popen, timeout: float) -> re.Match:
-    deadline = time.time() + timeout
-    while time.time() < deadline:
-        match = re.search(pattern, path.read_text(errors="replace"))
-        if match:
-            return match
-        if proc.poll() is not None:
-            raise AssertionError(f"tune.py exited with {proc.returncode} first:\n{path.read_text()[-4000:]}")
-        time.sleep(1)
-    raise AssertionError(f"no line matching {pattern!r} within {timeout} s:\n{path.read_text()[-4000:]}")
-
-
-OUTAGE_S = 20  # the tracking server's outage during the resumed tune run (MLflow retries at about 4, 12, 28 s)
-
-
-def _start_tune(args: list[str], env: dict, log_path: Path) -> subprocess.Popen:
-    with open(log_path, "w") as log:  # stdout and stderr in one file, read while it runs
-        return subprocess.Popen([PYTHON, str(ROOT / "pipelines" / "tune.py"), *args], cwd=log_path.parent, env=env,
-                                stdout=log, stderr=subprocess.STDOUT)
-
-
-def _assert_history_explained(client: MlflowClient, run_id: str, steps_per_epoch: int, epochs: int) -> list[int]:
-    """Every step of every epoch run is logged; a step logged twice follows a train/resumed_from_epoch marker
-    (the worker restarted from the checkpoint of that epoch and ran the next one again). Returns the marker
-    steps."""
-    markers = {m.step: m.value for m in client.get_metric_history(run_id, "train/resumed_from_epoch")}
-    for key in ("train/loss", "train/w2s_loss", "train/lr"):
-        steps = _steps(client, run_id, key)
-        assert sorted(set(steps)) == list(range(max(steps) + 1)), (key, steps)  # no gap
-        assert (max(steps) + 1) % steps_per_epoch == 0 and max(steps) < steps_per_epoch * epochs
-        for step, count in steps.items():
-            if count > 1:  # a repeat: explained only by a restart at or before it, in the same epoch
-                assert any(m <= step < m + steps_per_epoch for m in markers), (key, step, count, markers)
-                assert count <= 1 + len(markers)
-    for marker, epoch in markers.items():
-        assert marker == (int(epoch) + 1) * steps_per_epoch  # the first step of the epoch after the checkpoint
-    val = _steps(client, run_id, "val/mean_nts")
-    assert sorted(val) == list(range(len(val))) and set(val.values()) == {1}, val  # one value per epoch
-    return sorted(markers)
-
-
-@pytest.mark.slow
-def test_tune_survives_a_killed_worker_and_a_killed_driver(tmp_path):
-    marker = tmp_path / "worker-killed"
-    kill_step = 8  # smoke: 48 pairs, batch 8 -> 6 steps per epoch; step 8 is mid-way through epoch 1
-    env = {STEP_HOOK_ENV: f"{Path(__file__).parent / 'fault_hooks.py'}:kill_once_at:{kill_step}:{marker}"}
-    port = free_port()
-    uri = f"http://127.0.0.1:{port}"
-    server = start_mlflow_server(tmp_path, port)
-    try:
-        with ray_head(tmp_path) as address:
-            args = ["--preset", "smoke", "--num-samples", "1", "--ray-address", address, "--tracking-uri", uri,
-                    "--storage-path", str(tmp_path / "ray"), "--name", "faults"]
-            full_env = {k: v for k, v in os.environ.items() if k not in ("MLFLOW_TRACKING_URI", "MLFLOW_REGISTRY_URI")}
-            full_env.update({"HF_HUB_OFFLINE": "1", **env})
-            log_path = tmp_path / "tune-first.log"
-            started = time.time()
-            driver = _start_tune(args, full_env, log_path)
-            try:
-                finished = _wait_for_line(log_path, r"trial (\w+) finished", driver, timeout=1200)
-                # Tune saves which trials finished every second (tuning/search.py); then the driver dies.
-                time.sleep(4)
-                driver.send_signal(signal.SIGKILL)
-                driver.wait(timeout=60)
-            finally:
-                if driver.poll() is None:
-                    driver.kill()
-            first_trial = finished.group(1)
-            first_log = log_path.read_text()
-            print(f"first driver: trial {first_trial} finished, driver SIGKILLed {time.time() - started:.0f} s after start")
-            assert marker.exists(), "the fault hook never fired:\n" + first_log[-3000:]
-            assert "registered:" not in first_log
-
-            # --resume, and while its next trial trains, the tracking server goes away for OUTAGE_S seconds.
-            resumed_at = time.time()
-            resumed_path = tmp_path / "tune-resumed.log"
-            driver = _start_tune([*args, "--resume"], full_env, resumed_path)
-            try:
-                running = _wait_for_line(resumed_path, r"trial (\w+) epoch 0:", driver, timeout=1200).group(1)
-                stop_process_group(server)
-                time.sleep(OUTAGE_S)
-                before_restart = resumed_path.read_text()
-                server = start_mlflow_server(tmp_path, port)  # back, same port, same store
-                returncode = driver.wait(timeout=1500)
-            finally:
-                if driver.poll() is None:
-                    driver.kill()
-            resumed = resumed_path.read_text()
-            print(f"tune.py --resume finished in {time.time() - resumed_at:.0f} s; tracking server down {OUTAGE_S} s "
-                  f"from trial {running}'s epoch 0 on")
-            assert returncode == 0, resumed[-5000:]
-            # the trial could not report epoch 1 while its metrics could not be delivered; it did afterwards
-            assert f"trial {running} epoch 1:" not in before_restart, before_restart[-3000:]
-            assert f"trial {running} epoch 1:" in resumed, resumed[-3000:]
-            assert f"registered: models:/{NAME}/1 (alias challenger)" in resumed
-            # the trial that finished before the driver died is not run again
-            assert f"trial {first_trial} epoch" not in resumed, resumed[-3000:]
-            assert f"trial {first_trial} epoch 1" in first_log
-
-            client = MlflowClient(uri, registry_uri=uri)
-            assert [str(v.version) for v in client.search_model_versions(f"name = '{NAME}'")] == ["1"]
-            exp = client.get_experiment_by_name(NAME)
-            parents = client.search_runs([exp.experiment_id], "tags.`anchor_rm.stage` = 'tune'")
-            assert len(parents) == 1
-            trials = client.search_runs([exp.experiment_id], "tags.`anchor_rm.stage` = 'trial'")
-            trial_ids = [t.data.tags["anchor_rm.trial_id"] for t in trials]
-            assert len(trials) == 3 and len(set(trial_ids)) == 3, trial_ids  # 2 baselines + 1 sample, no duplicate
-            assert all(t.info.status == "FINISHED" for t in trials), [(t.info.run_id, t.info.status) for t in trials]
-            assert len(client.search_runs([exp.experiment_id], "tags.`anchor_rm.stage` = 'final'")) == 1
-
-            restarted = [t for t in trials if "anchor_rm.resumed_from_epoch" in t.data.tags]
-            assert [t.data.tags["anchor_rm.trial_id"] for t in restarted] == [first_trial]
-            assert restarted[0].data.tags["anchor_rm.resumed_from_epoch"] == "0"
-            for trial in trials:
-                markers = _assert_history_explained(client, trial.info.run_id, steps_per_epoch=6, epochs=2)
-                loss_steps = _steps(client, trial.info.run_id, "train/loss")
-                print(f"trial {trial.data.tags['anchor_rm.trial_id']}: train/loss steps {min(loss_steps)}..{max(loss_steps)}, "
-                      f"logged twice: {sorted(k for k, v in loss_steps.items() if v > 1)}, resume markers at {markers}, "
-                      f"outcome {trial.data.tags.get('anchor_rm.trial_outcome')}")
-                if trial in restarted:
-                    assert markers == [6]
-                    assert max(_steps(client, trial.info.run_id, "train/loss")) == 11  # it finished epoch 1
-    finally:
-        stop_process_group(server)  # the restarted one
 
 
 def test_the_step_hook_is_loaded_from_its_file_and_bad_specs_are_named(tmp_path):

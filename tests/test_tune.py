@@ -1,71 +1,235 @@
-"""The main job end to end on real components: `ray start --head`, `mlflow server`, tune.py, promote.py,
-and the champion loaded back through `models:/NAME@champion`."""
+"""The main job end to end on real components, through the faults it must survive: `ray start --head`,
+`mlflow server`, tune.py, promote.py, and the champion loaded back through `models:/NAME@champion`.
 
+One tune run (smoke preset: 48 pairs, 2 epochs, 2 baselines + 2 ANCHOR samples) carries every case, so the
+suite pays for the shared stages and the trials once:
+- a Ray Train worker SIGKILLed mid-epoch: the trial restarts from its last checkpoint;
+- the tune driver SIGKILLed after its first trial: `tune.py --resume` finishes the rest, nothing is redone or
+  duplicated, the registry gets exactly one version;
+- the tracking server down for 60 s while a resumed trial trains: training goes on (under 5 s of it spent
+  waiting for the server, measured by the worker) and every metric value still arrives, once;
+- a trial that raises inside its worker on every attempt: FAILED in MLflow through Tune itself, counted on
+  the tune run, and the search selects among the others;
+- promotion and loading of the champion; a second `--resume` of the finished experiment redoes nothing (no
+  trial trains again: every trial's metric history and checkpoints are as they were).
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+import subprocess
+import time
+from pathlib import Path
 
 import pandas as pd
 import pytest
+from mlflow.tracking import MlflowClient
 
-from helpers import mlflow_server, ray_head, run_pipeline
+from helpers import (PYTHON, ROOT, free_port, metric_steps, ray_head, run_pipeline, start_mlflow_server,
+                     stop_process_group)
+from tuning.trainable import STEP_HOOK_ENV
 
 NAME = "anchor-rm-helpful"
+OUTAGE_S = 60  # the tracking server's outage during the resumed tune run
+KILL_STEP = 8  # smoke: 48 pairs, batch 8 -> 6 steps per epoch; step 8 is mid-way through epoch 1
+FAILING_RUN = 4  # the 4th Train run to take a step: the second ANCHOR sample (concurrency 1)
+
+
+def _wait_for_line(path: Path, pattern: str, proc: subprocess.Popen, timeout: float) -> re.Match:
+    deadline = time.time() + timeout
+    while time.time() < deadline:
+        match = re.search(pattern, path.read_text(errors="replace"))
+        if match:
+            return match
+        if proc.poll() is not None:
+            raise AssertionError(f"tune.py exited with {proc.returncode} first:\n{path.read_text()[-4000:]}")
+        time.sleep(1)
+    raise AssertionError(f"no line matching {pattern!r} within {timeout} s:\n{path.read_text()[-4000:]}")
+
+
+def _start_tune(args: list[str], env: dict, log_path: Path) -> subprocess.Popen:
+    with open(log_path, "w") as log:  # stdout and stderr in one file, read while it runs
+        return subprocess.Popen([PYTHON, str(ROOT / "pipelines" / "tune.py"), *args], cwd=log_path.parent, env=env,
+                                stdout=log, stderr=subprocess.STDOUT)
+
+
+def _assert_history_explained(client: MlflowClient, run_id: str, steps_per_epoch: int, epochs: int) -> list[int]:
+    """Every step of every epoch run is logged; a step logged twice follows a train/resumed_from_epoch marker
+    (the worker restarted from the checkpoint of that epoch and ran the next one again). Returns the marker
+    steps."""
+    markers = {m.step: m.value for m in client.get_metric_history(run_id, "train/resumed_from_epoch")}
+    for key in ("train/loss", "train/w2s_loss", "train/lr"):
+        steps = metric_steps(client, run_id, key)
+        assert sorted(set(steps)) == list(range(max(steps) + 1)), (key, steps)  # no gap
+        assert (max(steps) + 1) % steps_per_epoch == 0 and max(steps) < steps_per_epoch * epochs
+        for step, count in steps.items():
+            if count > 1:  # a repeat: explained only by a restart at or before it, in the same epoch
+                assert any(m <= step < m + steps_per_epoch for m in markers), (key, step, count, markers)
+                assert count <= 1 + len(markers)
+    for marker, epoch in markers.items():
+        assert marker == (int(epoch) + 1) * steps_per_epoch  # the first step of the epoch after the checkpoint
+    val = metric_steps(client, run_id, "val/mean_nts")
+    assert sorted(val) == list(range(len(val))) and set(val.values()) == {1}, val  # one value per epoch
+    return sorted(markers)
+
+
+def _histories(client: MlflowClient, trials) -> dict[str, list]:
+    return {t.info.run_id: sorted((m.step, m.timestamp) for m in client.get_metric_history(t.info.run_id, "train/loss"))
+            for t in trials}
+
+
+def _checkpoints(storage: Path) -> dict[str, float]:
+    return {str(p.relative_to(storage)): p.stat().st_mtime for p in storage.rglob("checkpoint_*") if p.is_dir()}
 
 
 @pytest.mark.slow
-def test_tune_smoke_on_a_ray_cluster_and_tracking_server_then_promote_and_load(tmp_path):
+@pytest.mark.timeout(1500)
+def test_tune_through_a_killed_worker_a_killed_driver_an_outage_and_a_failing_trial_then_promote_and_load(tmp_path):
     import mlflow
-    from mlflow.tracking import MlflowClient
 
-    with mlflow_server(tmp_path) as uri, ray_head(tmp_path) as address:
-        args = ["--preset", "smoke", "--ray-address", address, "--tracking-uri", uri,
-                "--storage-path", str(tmp_path / "ray"), "--name", "smoke-it"]
-        result = run_pipeline("tune.py", *args, cwd=tmp_path, timeout=1200)
-        assert result.returncode == 0, result.stderr[-4000:]
-        assert f"registered: models:/{NAME}/1 (alias challenger)" in result.stdout
-        assert "| naive W2S |" in result.stdout and "| confidence W2S |" in result.stdout
+    marker, seen = tmp_path / "worker-killed", tmp_path / "train-runs.txt"
+    env = {STEP_HOOK_ENV: f"{Path(__file__).parent / 'fault_hooks.py'}:kill_once_at_then_fail_nth_run:"
+                          f"{KILL_STEP}:{marker}:{FAILING_RUN}:{seen}"}
+    port = free_port()
+    uri = f"http://127.0.0.1:{port}"
+    server = start_mlflow_server(tmp_path, port)
+    try:
+        with ray_head(tmp_path) as address:
+            # --max-failures 1: the killed worker is restarted once; the failing trial tries 2 x 2 times, not 3 x 2
+            args = ["--preset", "smoke", "--max-failures", "1", "--ray-address", address, "--tracking-uri", uri,
+                    "--storage-path", str(tmp_path / "ray"), "--name", "faults"]
+            full_env = {k: v for k, v in os.environ.items() if k not in ("MLFLOW_TRACKING_URI", "MLFLOW_REGISTRY_URI")}
+            full_env.update({"HF_HUB_OFFLINE": "1", **env})
 
-        client = MlflowClient(uri, registry_uri=uri)
-        version = client.get_model_version_by_alias(NAME, "challenger")
-        assert str(version.version) == "1"
-        for tag in ("mean_nts", "wrg", "id_accuracy", "test_splits_digest", "selection_splits", "val_mean_nts",
-                    "validation_splits_digest"):
-            assert tag in version.tags, tag
-        assert version.tags["selection_splits"] == "val" and version.tags["figure_splits"] == "test"
-        assert "Selected on val splits" in version.description
+            # 1. A worker dies mid-epoch (the hook), then the driver after its first trial finished.
+            log_path = tmp_path / "tune-first.log"
+            started = time.time()
+            driver = _start_tune(args, full_env, log_path)
+            try:
+                finished = _wait_for_line(log_path, r"trial (\w+) finished", driver, timeout=900)
+                # Tune saves which trials finished every second (tuning/search.py); then the driver dies.
+                time.sleep(4)
+                driver.send_signal(signal.SIGKILL)
+                driver.wait(timeout=60)
+            finally:
+                if driver.poll() is None:
+                    driver.kill()
+            first_trial = finished.group(1)
+            first_log = log_path.read_text()
+            print(f"first driver: trial {first_trial} finished, driver SIGKILLed {time.time() - started:.0f} s after start")
+            assert marker.exists(), "the fault hook never fired:\n" + first_log[-3000:]
+            assert "registered:" not in first_log
 
-        # one parent run; one child per trial (2 baselines + 2 ANCHOR samples) plus the final evaluation
-        exp = client.get_experiment_by_name("anchor-rm-helpful")
-        parent = client.search_runs([exp.experiment_id], "tags.`anchor_rm.stage` = 'tune'")
-        assert len(parent) == 1
-        children = client.search_runs([exp.experiment_id], f"tags.`mlflow.parentRunId` = '{parent[0].info.run_id}'")
-        trials = [c for c in children if c.data.tags.get("anchor_rm.stage") == "trial"]
-        assert len(trials) == 4 and all(c.info.status == "FINISHED" for c in trials)
-        for trial in trials:
-            assert trial.data.tags["anchor_rm.teacher_run"] and "train.method" in trial.data.params
-            assert len(client.get_metric_history(trial.info.run_id, "val/mean_nts")) >= 1
-            assert len(client.get_metric_history(trial.info.run_id, "train/loss")) >= 3
-        final = [c for c in children if c.data.tags.get("anchor_rm.stage") == "final"]
-        assert len(final) == 1 and final[0].info.run_id == version.run_id
-        names = {a.path.split("/")[-1] for a in client.list_artifacts(version.run_id, "report")}
-        assert {"report.json", "report.md", "report.png", "comparison.md", "nts_vs_lambda.png", "trials.json"} <= names
+            # 2. --resume, and while its next trial trains, the tracking server goes away for OUTAGE_S seconds.
+            resumed_at = time.time()
+            resumed_path = tmp_path / "tune-resumed.log"
+            driver = _start_tune([*args, "--resume"], full_env, resumed_path)
+            try:
+                running = _wait_for_line(resumed_path, r"trial (\w+) epoch 0:", driver, timeout=900).group(1)
+                stop_process_group(server)
+                time.sleep(OUTAGE_S)
+                before_restart = resumed_path.read_text()
+                server = start_mlflow_server(tmp_path, port)  # back, same port, same store
+                returncode = driver.wait(timeout=1200)
+            finally:
+                if driver.poll() is None:
+                    driver.kill()
+            resumed = resumed_path.read_text()
+            print(f"tune.py --resume finished in {time.time() - resumed_at:.0f} s; tracking server down {OUTAGE_S} s "
+                  f"from trial {running}'s epoch 0 on")
+            assert returncode == 0, resumed[-5000:]
+            # the trial trained its next epoch while its metrics could not be delivered
+            assert f"trial {running} epoch 1:" in before_restart, before_restart[-3000:]
+            assert f"registered: models:/{NAME}/1 (alias challenger)" in resumed
+            assert "| naive W2S |" in resumed and "| confidence W2S |" in resumed
+            # the trial that finished before the driver died is not run again
+            assert f"trial {first_trial} epoch" not in resumed, resumed[-3000:]
+            assert f"trial {first_trial} epoch 1" in first_log
+            assert "1 of 4 trials failed; selecting among the others" in resumed, resumed[-5000:]
 
-        # Smoke models learn from 48 pairs: the ID gate is the promotion test's business, not this one's.
-        promoted = run_pipeline("promote.py", "--name", NAME, "--max-id-drop", "100", "--tracking-uri", uri,
-                                cwd=tmp_path, timeout=300)
-        assert promoted.returncode == 0, promoted.stdout + promoted.stderr
-        assert str(client.get_model_version_by_alias(NAME, "champion").version) == "1"
+            client = MlflowClient(uri, registry_uri=uri)
+            assert [str(v.version) for v in client.search_model_versions(f"name = '{NAME}'")] == ["1"]
+            exp = client.get_experiment_by_name(NAME)
+            parents = client.search_runs([exp.experiment_id], "tags.`anchor_rm.stage` = 'tune'")
+            assert len(parents) == 1
+            parent = parents[0]
+            assert parent.data.tags["anchor_rm.trials"] == "4" and parent.data.tags["anchor_rm.trials_failed"] == "1"
+            children = client.search_runs([exp.experiment_id], f"tags.`mlflow.parentRunId` = '{parent.info.run_id}'")
+            trials = [c for c in children if c.data.tags.get("anchor_rm.stage") == "trial"]
+            trial_ids = [t.data.tags["anchor_rm.trial_id"] for t in trials]
+            assert len(trials) == 4 and len(set(trial_ids)) == 4, trial_ids  # 2 baselines + 2 samples, no duplicate
 
-        mlflow.set_tracking_uri(uri)
-        mlflow.set_registry_uri(uri)  # an earlier test may have set another registry in this process
-        model = mlflow.pyfunc.load_model(f"models:/{NAME}@champion")
-        frame = pd.DataFrame({"prompt": ["How do I bake bread?"] * 2,
-                              "response": ["Mix flour, water, yeast and salt, let it rise, then bake.", "No."]})
-        scored = model.predict(frame)
-        assert list(scored.columns) == ["reward", "truncated"] and len(scored) == 2
-        assert scored["reward"].notna().all()
+            # 3. The failing trial: FAILED, with its error; the other three FINISHED, their every step explained.
+            failed = [t for t in trials if t.info.status == "FAILED"]
+            assert len(failed) == 1, [(t.data.tags["anchor_rm.trial_id"], t.info.status) for t in trials]
+            assert "injected failure in train-" in failed[0].data.tags["anchor_rm.trial_outcome"], failed[0].data.tags
+            assert failed[0].data.tags["anchor_rm.method"] == "anchor"
+            assert f"trial {failed[0].data.tags['anchor_rm.trial_id']} failed: " in resumed, resumed[-5000:]
+            done = [t for t in trials if t is not failed[0]]
+            assert all(t.info.status == "FINISHED" for t in done), [(t.info.run_id, t.info.status) for t in done]
+            restarted = [t for t in done if "anchor_rm.resumed_from_epoch" in t.data.tags]
+            assert [t.data.tags["anchor_rm.trial_id"] for t in restarted] == [first_trial]
+            assert restarted[0].data.tags["anchor_rm.resumed_from_epoch"] == "0"
+            for trial in done:
+                assert trial.data.tags["anchor_rm.teacher_run"] and "train.method" in trial.data.params
+                markers = _assert_history_explained(client, trial.info.run_id, steps_per_epoch=6, epochs=2)
+                loss_steps = metric_steps(client, trial.info.run_id, "train/loss")
+                print(f"trial {trial.data.tags['anchor_rm.trial_id']}: train/loss steps {min(loss_steps)}..{max(loss_steps)}, "
+                      f"logged twice: {sorted(k for k, v in loss_steps.items() if v > 1)}, resume markers at {markers}, "
+                      f"outcome {trial.data.tags.get('anchor_rm.trial_outcome')}")
+                if trial.data.tags["anchor_rm.trial_id"] == running:  # trained through the outage
+                    blocked = [m.value for m in client.get_metric_history(trial.info.run_id, "worker/tracking_blocked_s")]
+                    print(f"trial {running}: training waited {max(blocked):.2f} s for the tracking server "
+                          f"during its {OUTAGE_S} s outage (worker/tracking_blocked_s {blocked})")
+                    assert len(blocked) == 2 and max(blocked) < 5, blocked
+                if trial in restarted:
+                    assert markers == [6]
+                    assert max(loss_steps) == 11  # it finished epoch 1
 
-        # --resume of a finished experiment redoes nothing and registers nothing new
-        again = run_pipeline("tune.py", *args, "--resume", cwd=tmp_path, timeout=900)
-        assert again.returncode == 0, again.stderr[-4000:]
-        assert len(client.search_model_versions(f"name = '{NAME}'")) == 1
-        trials_after = client.search_runs([exp.experiment_id], "tags.`anchor_rm.stage` = 'trial'")
-        assert len(trials_after) == 4
+            anchor_done = [t for t in done if t.data.tags["anchor_rm.method"] == "anchor"]
+            selected = re.search(r"selected \{'method': 'anchor', 'anchor_lambda': ([^,]+),", resumed)
+            assert len(anchor_done) == 1 and selected, resumed[-5000:]
+            assert float(selected.group(1)) == float(anchor_done[0].data.params["train.anchor_lambda"])
+
+            # 4. The registered version: selected among the finished trials, on validation, with its report.
+            version = client.get_model_version_by_alias(NAME, "challenger")
+            for tag in ("mean_nts", "wrg", "id_accuracy", "test_splits_digest", "selection_splits", "val_mean_nts",
+                        "validation_splits_digest"):
+                assert tag in version.tags, tag
+            assert version.tags["selection_splits"] == "val" and version.tags["figure_splits"] == "test"
+            assert "Selected on val splits" in version.description
+            final = [c for c in children if c.data.tags.get("anchor_rm.stage") == "final"]
+            assert len(final) == 1 and final[0].info.run_id == version.run_id
+            names = {a.path.split("/")[-1] for a in client.list_artifacts(version.run_id, "report")}
+            assert {"report.json", "report.md", "report.png", "comparison.md", "nts_vs_lambda.png", "trials.json"} <= names
+
+            # 5. Promote (smoke models learn from 48 pairs: the ID gate is the promotion tests' business) and load.
+            promoted = run_pipeline("promote.py", "--name", NAME, "--max-id-drop", "100", "--tracking-uri", uri,
+                                    cwd=tmp_path, timeout=300)
+            assert promoted.returncode == 0, promoted.stdout + promoted.stderr
+            assert str(client.get_model_version_by_alias(NAME, "champion").version) == "1"
+            mlflow.set_tracking_uri(uri)
+            mlflow.set_registry_uri(uri)  # an earlier test may have set another registry in this process
+            model = mlflow.pyfunc.load_model(f"models:/{NAME}@champion")
+            frame = pd.DataFrame({"prompt": ["How do I bake bread?"] * 2,
+                                  "response": ["Mix flour, water, yeast and salt, let it rise, then bake.", "No."]})
+            scored = model.predict(frame)
+            assert list(scored.columns) == ["reward", "truncated"] and len(scored) == 2
+            assert scored["reward"].notna().all()
+
+            # 6. --resume of the finished experiment redoes nothing: no trial trains (metric histories and
+            # checkpoints untouched, the failed one not retried), no run or version is added.
+            histories, checkpoints = _histories(client, trials), _checkpoints(tmp_path / "ray")
+            assert checkpoints
+            again = run_pipeline("tune.py", *args, "--resume", cwd=tmp_path, env=env, timeout=600)
+            assert again.returncode == 0, again.stderr[-4000:]
+            assert f"registered model version: {NAME}/1" in again.stdout, again.stdout[-2000:]
+            assert not re.search(r"trial \w+ epoch", again.stderr) and seen.read_text().count("\n") == 4, again.stderr[-3000:]
+            assert _histories(client, trials) == histories
+            assert _checkpoints(tmp_path / "ray") == checkpoints
+            assert len(client.search_model_versions(f"name = '{NAME}'")) == 1
+            assert len(client.search_runs([exp.experiment_id], "tags.`anchor_rm.stage` = 'trial'")) == 4
+    finally:
+        stop_process_group(server)  # the restarted one
