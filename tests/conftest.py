@@ -22,3 +22,14 @@ def tiny_bert(minilm_tokenizer):
     from helpers import tiny_bert
 
     return lambda seed=0: tiny_bert(minilm_tokenizer, seed)
+
+
+# The longest modules first (measured, docs/benchmarks.md "Test suite"): with two xdist workers taking one
+# module at a time in this order, the tune test (about 10 minutes) starts at once and the rest share the
+# other worker, instead of the tune test starting last and running alone.
+LONGEST_FIRST = ("test_tune.py", "test_pipeline_train.py", "test_study.py")
+
+
+def pytest_collection_modifyitems(config, items):
+    rank = {name: i for i, name in enumerate(LONGEST_FIRST)}
+    items.sort(key=lambda item: rank.get(item.path.name, len(rank)))  # stable: the rest keep their order

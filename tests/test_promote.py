@@ -403,15 +403,16 @@ def test_two_promotions_that_both_read_before_either_writes(register, monkeypatc
     if not first:
         promotion.promote(name, v1, settle_seconds=0)
     va, vb = register(make_report(ood=(56.0, 54.0)), name), register(make_report(ood=(57.0, 55.0)), name)
-    both_read = threading.Barrier(2)
+    both_read, a_written = threading.Barrier(2), threading.Event()
     order: list[str] = []  # the order of the champion writes
     move = promotion._move_champion
 
     def move_after_both_read(name_, new, old, settle_seconds, sleep):
         both_read.wait(timeout=60)
-        if new == vb:  # b writes second, after a has written
-            while not order:
-                threading.Event().wait(0.01)
+        if new == va:  # a writes first: _move_champion settles (sleeps) right after its champion write
+            order.append(new)
+            return move(name_, new, old, settle_seconds, lambda seconds: (a_written.set(), sleep(seconds)))
+        assert a_written.wait(timeout=60)  # b writes second, while a settles
         order.append(new)
         return move(name_, new, old, settle_seconds, sleep)
 

@@ -260,6 +260,49 @@ def test_failure_after_the_version_exists_removes_it(tmp_path, minilm_tokenizer,
     assert str(MlflowClient().get_model_version_by_alias(NAME, "challenger").version) == first.version
 
 
+@pytest.mark.slow
+def test_a_cleanup_that_cannot_reach_the_stopped_store_leaves_a_version_check_repair_removes(
+        tmp_path, minilm_tokenizer, restore_mlflow_uris, monkeypatch, caplog, capsys):
+    """The store goes away right after the version is created, before its description (a real `mlflow
+    server`, stopped there), so the cleanup cannot delete the version: the error propagates, the log names the orphan and the
+    repair; once the server is back, `promote.py --check` lists it and `--repair` removes it."""
+    monkeypatch.setenv("MLFLOW_HTTP_REQUEST_MAX_RETRIES", "0")  # the cleanup's one attempt, not minutes of retries
+    folder = tiny_model_folder(tmp_path / "model", minilm_tokenizer, max_length=48)
+    port = free_port()
+    server = start_mlflow_server(tmp_path, port)
+    uri = f"http://127.0.0.1:{port}"
+    try:
+        configure(uri, "cleanup-outage")
+        with mlflow.start_run():
+            first = registry.log_and_register(folder, _report(), NAME)
+        real_update = MlflowClient.update_model_version
+
+        def store_goes_away(self, *args, **kwargs):  # the version exists; its description is next
+            stop_process_group(server)
+            return real_update(self, *args, **kwargs)
+
+        monkeypatch.setattr(MlflowClient, "update_model_version", store_goes_away)
+        with pytest.raises(Exception):
+            with mlflow.start_run():
+                registry.log_and_register(folder, _report(), NAME)
+        monkeypatch.undo()
+        orphan = str(int(first.version) + 1)
+        assert f"could not remove the half-written version {NAME}/{orphan}" in caplog.text, caplog.text[-2000:]
+        assert "promote.py --check --repair" in caplog.text
+
+        server = start_mlflow_server(tmp_path, port)  # back, same store
+        code, out = _promote_check(uri, capsys)
+        assert code == 1 and f"v{orphan}: missing" in out, out
+        code, out = _promote_check(uri, capsys, "--repair")
+        assert code == 0 and f"v{orphan}: missing" in out and "deleted" in out, out  # nothing half-made is left
+        assert [str(v.version) for v in MlflowClient(uri).search_model_versions(f"name = '{NAME}'")] == [first.version]
+        assert str(MlflowClient(uri).get_model_version_by_alias(NAME, "challenger").version) == first.version
+        code, out = _promote_check(uri, capsys)
+        assert code == 0, out
+    finally:
+        stop_process_group(server)
+
+
 def test_a_trial_that_fails_is_marked_failed_with_its_error(tmp_path, restore_mlflow_uris):
     """What Tune's callback writes when a trial gives up, e.g. after the tracking server stayed away."""
     from ray.tune.error import TuneError
