@@ -4,6 +4,7 @@ evaluate on every split. MLflow and Ray wrap these; nothing here reaches for the
 from __future__ import annotations
 
 import json
+import logging
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Sequence
@@ -14,13 +15,16 @@ import torch
 from anchor_rm.data import PreferencePair
 from anchor_rm.encoding import RewardEncoder
 from anchor_rm.losses import resolve_anchor_layers
-from anchor_rm.reference_cache import ReferenceStates, compute_reference_states
+from anchor_rm.reference_cache import (ReferenceStates, choose_reference_cache, compute_reference_states,
+                                      default_budget_bytes, disk_free_bytes, estimate_reference_nbytes, storage_dtype)
 from anchor_rm.metrics import pairwise_accuracy, tie_rate
 from anchor_rm.models import ModelSource, is_decoder, load_reward_model, load_tokenizer, resolve_model
 from anchor_rm.report import SplitResult
 from anchor_rm.scoring import EncodedPairs, HiddenStatesHook, RewardScorer, encode_pairs
 from anchor_rm.splits import ProtocolSplits
 from anchor_rm.training import StepLog, TrainConfig, TrainResult, train_reward_model
+
+log = logging.getLogger("anchor_rm")
 
 SCORER_CONFIG = "anchor_rm.json"  # saved beside the weights: how the scorer encodes (max length, kind)
 
@@ -57,14 +61,33 @@ def frozen_reference(name: str) -> torch.nn.Module:
 
 
 def reference_states(student_name: str, rm: RewardModel, pairs: Sequence[PreferencePair],
-                     layer_choices: Sequence[str], *, precision: str, batch_size: int = 32) -> ReferenceStates:
-    """The frozen reference's response-token states at every layer any of `layer_choices` anchors,
-    on `pairs` as `rm` encodes them: computed once, then shared by every epoch (and every Tune trial)."""
+                     layer_choices: Sequence[str], *, precision: str, batch_size: int = 32, cache: str = "ram",
+                     budget_bytes: int | None = None, folder: str | Path | None = None) -> ReferenceStates | torch.nn.Module:
+    """The frozen reference as training reads it, at every layer any of `layer_choices` anchors, on `pairs`
+    as `rm` encodes them: its states computed once and shared by every epoch (and every Tune trial), in RAM or
+    on disk under `folder`, or (live) the frozen model itself, run beside the student at every step.
+
+    `cache`: ram, disk, live, or auto (reference_cache.choose_reference_cache: RAM within `budget_bytes`,
+    default a quarter of physical memory; else disk when `folder` is given and has room; else live). The size
+    is estimated before anything is computed; the choice and the figures behind it are logged."""
     reference = frozen_reference(student_name)
     depth = rm.model.config.num_hidden_layers
     layers = sorted({layer for choice in layer_choices for layer in resolve_anchor_layers(choice, depth)})
-    return compute_reference_states(reference, rm.encode(pairs), layers, rm.encoder.pad_token_id,
-                                    batch_size=batch_size, precision=precision)
+    encoded = rm.encode(pairs)
+    value_bytes = storage_dtype(precision).itemsize
+    nbytes = estimate_reference_nbytes(encoded, len(layers), reference.config.hidden_size, value_bytes)
+    budget = default_budget_bytes() if budget_bytes is None else budget_bytes
+    free = None if folder is None else disk_free_bytes(folder)
+    choice = choose_reference_cache(nbytes, budget, free, cache)
+    if choice == "disk" and folder is None:
+        raise ValueError("a disk reference cache needs a folder")
+    log.info("reference cache: layers %s on %d sequences, %.1f MB (%d-byte values); budget %.1f MB, disk free %s: %s",
+             layers, 2 * len(encoded), nbytes / 1e6, value_bytes, budget / 1e6,
+             "-" if free is None else f"{free / 1e6:.0f} MB", choice)
+    if choice == "live":
+        return reference
+    return compute_reference_states(reference, encoded, layers, rm.encoder.pad_token_id, batch_size=batch_size,
+                                    precision=precision, into=folder if choice == "disk" else None)
 
 
 def save_reward_model(rm: RewardModel, folder: str | Path, extra: dict | None = None) -> Path:

@@ -5,9 +5,10 @@ Variants, each trained from the same pretrained weights on the same pairs and ba
 
     naive                 lambda = 0: no reference at all
     anchor-last-cached    the frozen reference's last-layer states on response tokens, computed once
-                          (reference_cache.compute_reference_states) and read back every step
-    anchor-middle-cached  the same at the middle layers (50% and 75% of depth)
-    anchor-last-uncached  the reference's forward pass in every training step (the cost before the cache)
+                          (reference_cache.compute_reference_states) and read back every step from RAM
+    anchor-last-disk      the same states in a memory-mapped file per layer (the disk cache: DiskReferenceStates)
+    anchor-middle-cached  the RAM cache at the middle layers (50% and 75% of depth)
+    anchor-last-uncached  the reference's forward pass in every training step (live: no cache)
 
 Each (variant, repeat) runs in a fresh Python process, so its peak RSS is its own; the variants are
 interleaved within each repeat (the order rotates) so that a change in machine load hits all of them. An
@@ -34,13 +35,15 @@ from pathlib import Path
 
 from bench_common import Disturbance, machine, markdown_table, median, peak_rss_mb, positive_int, source_splits
 
-# variant -> (method, layer choice, cached)
+# variant -> (method, layer choice, where the reference's states live: ram, disk, or live)
 VARIANTS = {
-    "naive": ("naive", None, False),
-    "anchor-last-cached": ("anchor", "last", True),
-    "anchor-middle-cached": ("anchor", "middle", True),
-    "anchor-last-uncached": ("anchor", "last", False),
+    "naive": ("naive", None, None),
+    "anchor-last-cached": ("anchor", "last", "ram"),
+    "anchor-last-disk": ("anchor", "last", "disk"),
+    "anchor-middle-cached": ("anchor", "middle", "ram"),
+    "anchor-last-uncached": ("anchor", "last", "live"),
 }
+DEFAULT_VARIANTS = ("naive", "anchor-last-cached", "anchor-middle-cached", "anchor-last-uncached")
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -52,7 +55,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--batch-size", type=positive_int, default=16)
     parser.add_argument("--max-length", type=positive_int, default=192, help="tokens per (prompt, response)")
     parser.add_argument("--repeats", type=positive_int, default=2, help="rounds of all variants")
-    parser.add_argument("--variants", default=",".join(VARIANTS), help="comma-separated subset of " + ", ".join(VARIANTS))
+    parser.add_argument("--variants", default=",".join(DEFAULT_VARIANTS), help="comma-separated subset of " + ", ".join(VARIANTS))
     parser.add_argument("--anchor-lambda", type=float, default=0.1)
     parser.add_argument("--precision", choices=["auto", "fp32", "bf16"], default="auto",
                         help="training precision (auto, the trainer's default: bf16 only on native-bf16 hardware)")
@@ -89,7 +92,7 @@ def run_one(args: argparse.Namespace, variant: str) -> dict:
     from anchor_rm.training import TrainConfig, train_reward_model
     from anchor_rm.workflow import frozen_reference, load_pretrained
 
-    method, layer_choice, cached = VARIANTS[variant]
+    method, layer_choice, cache = VARIANTS[variant]
     device = torch.device(args.device)
     splits = source_splits(args.source, args.seed, {"student_train": args.pairs})
     rm = load_pretrained(args.model, args.max_length, args.seed)
@@ -110,11 +113,13 @@ def run_one(args: argparse.Namespace, variant: str) -> dict:
     reference, cache_mb = None, 0.0
     if config.uses_anchor:
         reference = frozen_reference(args.model).to(device)
-        if cached:
+        if cache in ("ram", "disk"):
             layers = resolve_anchor_layers(layer_choice, rm.model.config.num_hidden_layers)
-            # Replacing the variable drops the reference model: only its states stay in memory.
+            # Replacing the variable drops the reference model: only its states stay (in memory, or on disk).
+            scratch = Path(args.json_out).parent if args.json_out else Path(tempfile.mkdtemp(prefix="anchor-cost-"))
+            folder = scratch / "reference-cache" if cache == "disk" else None  # removed with the run's temp folder
             reference = compute_reference_states(reference, encoded, layers, rm.encoder.pad_token_id,
-                                                 batch_size=32, precision=config.precision)
+                                                 batch_size=32, precision=config.precision, into=folder)
             cache_mb = reference.nbytes() / 2**20
     setup_s = time.perf_counter() - started
 

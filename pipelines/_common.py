@@ -5,6 +5,7 @@ Kept free of heavy imports so that `--help` and the registry-only scripts (promo
 
 from __future__ import annotations
 
+import argparse
 import logging
 import os
 import sys
@@ -37,6 +38,21 @@ def add_precision_argument(parser) -> None:
                         help="forward-pass precision of training and evaluation: auto (default) picks bf16 autocast "
                              "only where the hardware computes bf16 natively and faster (CUDA with bf16, a CPU with "
                              "AVX512-BF16 or AMX) and fp32 everywhere else; the choice is logged and recorded")
+
+
+UNITS = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12, "KIB": 2**10, "MIB": 2**20, "GIB": 2**30,
+         "TIB": 2**40}
+
+
+def byte_size(text: str) -> int:
+    """argparse type: "500MB", "2GB", "1.5GiB" or a number of bytes."""
+    import re
+
+    match = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([A-Za-z]*)\s*", text)
+    unit = match.group(2).upper() if match else None
+    if match is None or unit not in UNITS:
+        raise argparse.ArgumentTypeError(f"not a size: {text!r} (a number with KB, MB, GB, KiB, MiB or GiB, or bytes)")
+    return int(float(match.group(1)) * UNITS[unit])
 
 
 def apply_shared_flags(cfg, args, student_train: dict):

@@ -21,7 +21,8 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from _common import add_precision_argument, apply_shared_flags, clean_errors, protocol_parser, setup_logging  # noqa: E402
+from _common import (add_precision_argument, apply_shared_flags, byte_size, clean_errors, protocol_parser,  # noqa: E402
+                     setup_logging)
 
 
 
@@ -42,6 +43,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--min-gap", type=float, metavar="POINTS",
                    help="stop before the search unless the strong ceiling beats the weak teacher on ID validation by "
                         "this much (default: the preset's, 1 point; the smoke preset does not check)")
+    p.add_argument("--reference-cache", choices=["auto", "ram", "disk", "live"], default="auto",
+                   help="where the frozen reference's states live for ANCHOR trials: ram (Ray's object store), disk "
+                        "(memory-mapped under the storage path), live (no cache: one more forward pass per step); "
+                        "auto: ram within --reference-cache-budget, else disk if it has room, else live")
+    p.add_argument("--reference-cache-budget", type=byte_size, metavar="SIZE",
+                   help="largest RAM cache for auto, e.g. 2GB (default: a quarter of this machine's memory)")
     p.add_argument("--use-gpu", choices=["auto", "yes", "no"], default="auto", help="auto: when the Ray cluster has GPUs")
     p.add_argument("--ray-address", help="an existing Ray cluster (default: start a local one)")
     p.add_argument("--tracking-uri", help="MLflow tracking URI (default: $MLFLOW_TRACKING_URI, else sqlite:///mlflow.db here)")
@@ -88,6 +95,7 @@ def main(argv=None) -> int:
             tracking_uri=resolve_tracking_uri(args.tracking_uri),
             registered_name=args.registered_name or default_model_name(cfg.category), num_samples=args.num_samples,
             concurrency=args.concurrency, workers_per_trial=args.workers_per_trial, max_failures=args.max_failures,
+            reference_cache=args.reference_cache, reference_cache_budget=args.reference_cache_budget,
             use_gpu=args.use_gpu,
             ray_address=args.ray_address, seed=args.seed)
         result = run_main_job(cfg, settings)

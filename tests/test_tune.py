@@ -8,6 +8,7 @@ suite pays for the shared stages and the trials once:
   duplicated, the registry gets exactly one version;
 - the tracking server down for 60 s while a resumed trial trains: training goes on (under 5 s of it spent
   waiting for the server, measured by the worker) and every metric value still arrives, once;
+- the ANCHOR trials reading the frozen reference's states from the disk cache (`--reference-cache disk`);
 - a trial that raises inside its worker on every attempt: FAILED in MLflow through Tune itself, counted on
   the tune run, and the search selects among the others;
 - promotion and loading of the champion; a second `--resume` of the finished experiment redoes nothing (no
@@ -97,9 +98,10 @@ def test_tune_through_a_killed_worker_a_killed_driver_an_outage_and_a_failing_tr
     server = start_mlflow_server(tmp_path, port)
     try:
         with ray_head(tmp_path) as address:
-            # --max-failures 1: the killed worker is restarted once; the failing trial tries 2 x 2 times, not 3 x 2
-            args = ["--preset", "smoke", "--max-failures", "1", "--ray-address", address, "--tracking-uri", uri,
-                    "--storage-path", str(tmp_path / "ray"), "--name", "faults"]
+            # --max-failures 1: the killed worker is restarted once; the failing trial tries 2 x 2 times, not 3 x 2.
+            # --reference-cache disk: the ANCHOR trials read the frozen reference's states from memory-mapped files.
+            args = ["--preset", "smoke", "--max-failures", "1", "--reference-cache", "disk", "--ray-address", address,
+                    "--tracking-uri", uri, "--storage-path", str(tmp_path / "ray"), "--name", "faults"]
             full_env = {k: v for k, v in os.environ.items() if k not in ("MLFLOW_TRACKING_URI", "MLFLOW_REGISTRY_URI")}
             full_env.update({"HF_HUB_OFFLINE": "1", **env})
 
@@ -148,6 +150,8 @@ def test_tune_through_a_killed_worker_a_killed_driver_an_outage_and_a_failing_tr
             assert f"trial {first_trial} epoch" not in resumed, resumed[-3000:]
             assert f"trial {first_trial} epoch 1" in first_log
             assert "1 of 4 trials failed; selecting among the others" in resumed, resumed[-5000:]
+            assert re.search(r"reference cache: layers \[3, 5, 6\] on \d+ sequences, .*: disk", first_log), first_log[-3000:]
+            assert (tmp_path / "ray" / "faults" / "reference_cache" / "index.json").exists()
 
             client = MlflowClient(uri, registry_uri=uri)
             assert [str(v.version) for v in client.search_model_versions(f"name = '{NAME}'")] == ["1"]

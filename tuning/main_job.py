@@ -36,6 +36,8 @@ class MainJobSettings:
     concurrency: int = 1
     workers_per_trial: int = 1
     max_failures: int = 2  # Ray Train restarts of a trial's worker group (FailureConfig)
+    reference_cache: str = "auto"  # ram, disk, live or auto (reference_cache.choose_reference_cache)
+    reference_cache_budget: int | None = None  # bytes; default a quarter of physical memory
     use_gpu: str = "auto"
     ray_address: str | None = None
     seed: int = 0
@@ -114,6 +116,7 @@ def run_main_job(cfg: ProtocolConfig, settings: MainJobSettings) -> MainJobResul
             runs.log_params({"preset": settings.preset, "category": cfg.category, "student": cfg.student,
                              "teacher": cfg.teacher, "num_samples": num_samples, "concurrency": settings.concurrency,
                              "workers_per_trial": settings.workers_per_trial, "max_failures": settings.max_failures,
+                             "reference_cache": settings.reference_cache,
                              "epochs": cfg.student_train.epochs,
                              "seed": settings.seed, "precision": cfg.precision})
         existing = runs.run_tag(parent_id, keys.REGISTERED_TAG)
@@ -124,7 +127,9 @@ def run_main_job(cfg: ProtocolConfig, settings: MainJobSettings) -> MainJobResul
         payload = make_payload(cfg, shared, tracking_uri=settings.tracking_uri, experiment_id=experiment_id,
                                parent_run_id=parent_id, storage_path=str(storage / name),
                                workers_per_trial=settings.workers_per_trial, concurrency=settings.concurrency,
-                               use_gpu=settings.use_gpu, max_failures=settings.max_failures)
+                               use_gpu=settings.use_gpu, max_failures=settings.max_failures,
+                               reference_cache=settings.reference_cache,
+                               reference_cache_budget=settings.reference_cache_budget)
         search_started = time.perf_counter()
         baselines, anchor = run_search(payload, num_samples=num_samples, concurrency=settings.concurrency,
                                        resume=settings.resume, seed=settings.seed)

@@ -70,7 +70,9 @@ class SharedPayload:
     use_gpu: bool = False
     max_failures: int = 2
     tags: dict = field(default_factory=dict)  # links to the data/teacher/ceiling stage runs
-    reference_states: object = None  # ObjectRef of the frozen reference's states on student-train (all layer choices)
+    reference_states: object = None  # ObjectRef of the frozen reference's states on student-train (all layer choices),
+    # in RAM or on disk (reference_cache.DiskReferenceStates: a folder under storage_path)
+    reference_live: bool = False  # no cache: each worker runs the frozen reference beside the student
 
 
 def _train_config(payload: SharedPayload, config: dict):
@@ -91,7 +93,7 @@ def train_loop_per_worker(config: dict) -> None:
     from anchor_rm.mlflow_edge import keys, runs
     from anchor_rm.mlflow_edge.writer import BufferedRunWriter
     from anchor_rm.student import NoSink, Validation, train_student
-    from anchor_rm.workflow import load_pretrained, load_saved, save_reward_model, scores_from_dict
+    from anchor_rm.workflow import frozen_reference, load_pretrained, load_saved, save_reward_model, scores_from_dict
 
     payload: SharedPayload = config["payload"]
     torch.set_num_threads(payload.threads_per_worker)
@@ -114,7 +116,9 @@ def train_loop_per_worker(config: dict) -> None:
         start_epoch, optimizer_state = state["epoch"] + 1, state["optimizer_state"]
     rm.model.to(device).train()
     # The frozen reference's states: computed once by the driver, shared by every trial via the object store.
-    reference = ray.get(payload.reference_states) if train_cfg.uses_anchor else None
+    reference = None
+    if train_cfg.uses_anchor:
+        reference = frozen_reference(cfg.student).to(device) if payload.reference_live else ray.get(payload.reference_states)
     writer = BufferedRunWriter(payload.tracking_uri, run_id, active=True) if rank == 0 else None
     if writer is not None:
         writer.restore(undelivered)  # what the checkpoint's writer had not sent (the server was unreachable)
@@ -202,12 +206,14 @@ def worker_resources(total_cpus: float, concurrency: int, num_workers: int) -> t
 
 def make_payload(cfg: ProtocolConfig, shared, *, tracking_uri: str, experiment_id: str, parent_run_id: str,
                  storage_path: str, workers_per_trial: int, concurrency: int, use_gpu: str,
-                 max_failures: int = 2) -> SharedPayload:
+                 max_failures: int = 2, reference_cache: str = "auto",
+                 reference_cache_budget: int | None = None) -> SharedPayload:
     """What every trial shares (experiment.SharedStages -> SharedPayload), sized to the Ray cluster, with the
     frozen reference's states for every layer choice the search may pick in the object store.
     `use_gpu`: yes, no, or auto (when the cluster has a GPU)."""
     import ray
 
+    from anchor_rm.reference_cache import ReferenceStates
     from anchor_rm.workflow import load_pretrained, reference_states
     from tuning.space import LAYER_CHOICES
 
@@ -227,8 +233,12 @@ def make_payload(cfg: ProtocolConfig, shared, *, tracking_uri: str, experiment_i
     train_cfg = cfg.student_train
     rm = load_pretrained(cfg.student, train_cfg.max_length, train_cfg.seed)
     states = reference_states(cfg.student, rm, shared.splits.student_train, LAYER_CHOICES, precision=train_cfg.precision,
-                              batch_size=cfg.eval_batch_size)
-    log.info("reference states for layers %s: %.0f MB in %.0f s", states.layers, states.nbytes() / 1e6,
-             time.perf_counter() - started)
-    payload.reference_states = ray.put(states)
+                              batch_size=cfg.eval_batch_size, cache=reference_cache, budget_bytes=reference_cache_budget,
+                              folder=Path(storage_path) / "reference_cache")
+    if isinstance(states, ReferenceStates):
+        log.info("reference states for layers %s (%s): %.0f MB in %.0f s", states.layers, states.kind,
+                 states.nbytes() / 1e6, time.perf_counter() - started)
+        payload.reference_states = ray.put(states)
+    else:
+        payload.reference_live = True
     return payload
