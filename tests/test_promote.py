@@ -361,6 +361,27 @@ def test_two_promotion_processes_racing(register, store, tmp_path):
     assert all_versions() == [v1, va, vb]
 
 
+def _promote_in_threads(name: str, versions, settle_seconds: float, before=lambda: None) -> dict:
+    """promotion.promote of each version in a thread of its own, all at once; their results by version."""
+    results: dict[str, promotion.PromotionResult] = {}
+    errors: list[BaseException] = []
+
+    def run(version: str) -> None:
+        try:
+            before()
+            results[version] = promotion.promote(name, version, settle_seconds=settle_seconds)
+        except BaseException as exc:  # surfaced below
+            errors.append(exc)
+
+    threads = [threading.Thread(target=run, args=(v,)) for v in versions]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(timeout=120)
+    assert not errors, errors
+    return results
+
+
 @pytest.mark.parametrize("first", [True, False], ids=["no-champion-yet", "over-a-champion"])
 def test_two_promotion_threads_racing(register, first):
     # Both create an alias row at once (champion, or previous-champion): the SQL store's select-then-insert
@@ -372,22 +393,7 @@ def test_two_promotion_threads_racing(register, first):
             promotion.promote(name, v1, settle_seconds=0)
         va, vb = register(make_report(ood=(56.0, 54.0)), name), register(make_report(ood=(57.0, 55.0)), name)
         start = threading.Barrier(2)
-        results: dict[str, promotion.PromotionResult] = {}
-        errors: list[BaseException] = []
-
-        def run(version: str) -> None:
-            try:
-                start.wait(timeout=60)
-                results[version] = promotion.promote(name, version, settle_seconds=0.5)
-            except BaseException as exc:  # surfaced below
-                errors.append(exc)
-
-        threads = [threading.Thread(target=run, args=(v,)) for v in (va, vb)]
-        for thread in threads:
-            thread.start()
-        for thread in threads:
-            thread.join(timeout=120)
-        assert not errors, errors
+        results = _promote_in_threads(name, (va, vb), 0.5, before=lambda: start.wait(timeout=60))
         _assert_consistent({v: promotion_text.exit_code(r.status) for v, r in results.items()},
                            {v: promotion_text.format_result(r) for v, r in results.items()}, name)
 
@@ -417,21 +423,7 @@ def test_two_promotions_that_both_read_before_either_writes(register, monkeypatc
         return move(name_, new, old, settle_seconds, sleep)
 
     monkeypatch.setattr(promotion, "_move_champion", move_after_both_read)
-    results: dict[str, promotion.PromotionResult] = {}
-    errors: list[BaseException] = []
-
-    def run(version: str) -> None:
-        try:
-            results[version] = promotion.promote(name, version, settle_seconds=1.0)
-        except BaseException as exc:  # surfaced below
-            errors.append(exc)
-
-    threads = [threading.Thread(target=run, args=(v,)) for v in (va, vb)]
-    for thread in threads:
-        thread.start()
-    for thread in threads:
-        thread.join(timeout=120)
-    assert not errors, errors
+    results = _promote_in_threads(name, (va, vb), 1.0)
     old = None if first else v1
     assert order == [va, vb]
     assert all(r.decision.champion is None if first else r.decision.champion.version == v1 for r in results.values())
