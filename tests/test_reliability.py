@@ -40,7 +40,8 @@ def restore_mlflow_uris():
     yield
     mlflow.set_tracking_uri(before[0])
     mlflow.set_registry_uri(before[1])
-    for k, v in saved_env.items():
+    for k, v in saved_env.items():  # what the test set (mlflow.set_registry_uri exports it) goes, what was there returns
+        os.environ.pop(k, None)
         if v is not None:
             os.environ[k] = v
 
@@ -266,7 +267,6 @@ def test_a_cleanup_that_cannot_reach_the_stopped_store_leaves_a_version_check_re
     """The store goes away right after the version is created, before its description (a real `mlflow
     server`, stopped there), so the cleanup cannot delete the version: the error propagates, the log names the orphan and the
     repair; once the server is back, `promote.py --check` lists it and `--repair` removes it."""
-    monkeypatch.setenv("MLFLOW_HTTP_REQUEST_MAX_RETRIES", "0")  # the cleanup's one attempt, not minutes of retries
     folder = tiny_model_folder(tmp_path / "model", minilm_tokenizer, max_length=48)
     port = free_port()
     server = start_mlflow_server(tmp_path, port)
@@ -282,6 +282,7 @@ def test_a_cleanup_that_cannot_reach_the_stopped_store_leaves_a_version_check_re
             return real_update(self, *args, **kwargs)
 
         monkeypatch.setattr(MlflowClient, "update_model_version", store_goes_away)
+        monkeypatch.setenv("MLFLOW_HTTP_REQUEST_MAX_RETRIES", "0")  # the cleanup's one attempt, not minutes of retries
         with pytest.raises(Exception):
             with mlflow.start_run():
                 registry.log_and_register(folder, _report(), NAME)
