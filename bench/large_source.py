@@ -46,7 +46,7 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 def write_synthetic(path: Path, pairs: int) -> int:
     """`pairs` generic JSONL records from the shipped HH helpful-base pairs; returns the file's bytes."""
-    from anchor_rm.data import load_dataset_pairs
+    from anchor_rm.catalog import load_dataset_pairs
 
     shipped = load_dataset_pairs("hh-helpful-base")
     with open(path, "w") as f:
