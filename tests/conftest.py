@@ -1,12 +1,37 @@
 import os
+import sys
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+# The tests make their own stores; a developer's MLflow URIs must not reach them.
+URI_ENV = ("MLFLOW_TRACKING_URI", "MLFLOW_REGISTRY_URI")
+for _name in URI_ENV:
+    os.environ.pop(_name, None)
 
 import pytest  # noqa: E402
 
 # The served service (a registry, `bentoml serve`, an HTTP client) for test_service_http and test_fuzz.
 pytest_plugins = ["service_fixtures"]
+
+
+@pytest.fixture(autouse=True)
+def mlflow_uris_do_not_leak():
+    """MLflow keeps the tracking and registry URIs in module globals and exports them to the environment, so a
+    test's URIs would outlive it in its worker process, and a later test connecting to another store would
+    keep the stale registry (store.connect leaves an exported MLFLOW_REGISTRY_URI alone, as a user's own).
+    Under xdist the tune test runs first and its stopped server's registry reached two later tests. Each test
+    leaves both URIs as it found them (a module's fixtures may have set them before)."""
+    env = {name: os.environ.get(name) for name in URI_ENV}
+    modules = ("mlflow.tracking._tracking_service.utils", "_tracking_uri"), ("mlflow.tracking._model_registry.utils", "_registry_uri")
+    saved = [getattr(sys.modules.get(module), attr, None) for module, attr in modules]
+    yield
+    for (module, attr), value in zip(modules, saved):
+        if module in sys.modules:
+            setattr(sys.modules[module], attr, value)
+    for name, value in env.items():
+        os.environ.pop(name, None)
+        if value is not None:
+            os.environ[name] = value
 
 
 @pytest.fixture(scope="session")
