@@ -122,9 +122,14 @@ class DiskReferenceStates(ReferenceStates):
 
 
 def open_reference_states(folder: str | Path) -> DiskReferenceStates:
-    index = json.loads((Path(folder) / INDEX_FILE).read_text())
-    return DiskReferenceStates(layers=index["layers"], states={}, digest=index["digest"], num_pairs=index["num_pairs"],
-                               folder=str(folder), offsets=index["offsets"], hidden=index["hidden"], dtype=index["dtype"])
+    path = Path(folder) / INDEX_FILE
+    try:
+        index = json.loads(path.read_text())
+        return DiskReferenceStates(layers=index["layers"], states={}, digest=index["digest"], num_pairs=index["num_pairs"],
+                                   folder=str(folder), offsets=index["offsets"], hidden=index["hidden"],
+                                   dtype=index["dtype"])
+    except (ValueError, KeyError, TypeError) as exc:  # ValueError includes a JSON syntax error
+        raise ValueError(f"{path}: not a reference cache index ({type(exc).__name__}: {exc})") from exc
 
 
 def anchored_positions(encoded: EncodedPairs) -> list[int]:
@@ -216,7 +221,10 @@ def compute_reference_states(reference: torch.nn.Module, encoded: EncodedPairs, 
 def _reusable(folder: str | Path, digest: str, layers: list[int], storage: torch.dtype) -> DiskReferenceStates | None:
     if not (Path(folder) / INDEX_FILE).exists():
         return None
-    found = open_reference_states(folder)
+    try:
+        found = open_reference_states(folder)
+    except ValueError:  # written by something else, or damaged: computed again over it
+        return None
     same = found.digest == digest and found.layers == layers and found.dtype == str(storage).removeprefix("torch.")
     return found if same else None
 

@@ -11,7 +11,7 @@ import torch
 from anchor_rm.data import PreferencePair
 from anchor_rm.encoding import RewardEncoder
 from anchor_rm.reference_cache import (DiskReferenceStates, choose_reference_cache, compute_reference_states,
-                                       estimate_reference_nbytes)
+                                       estimate_reference_nbytes, open_reference_states)
 from anchor_rm.scoring import encode_pairs
 from anchor_rm.training import TrainConfig, train_reward_model
 
@@ -85,6 +85,11 @@ def test_a_disk_cache_is_written_once_and_reused_and_pickles_small(tiny_bert, mi
     assert other.digest != first.digest and other.num_pairs == 30  # other sequences: computed again
     half = compute_reference_states(tiny_bert(0), _encoded(minilm_tokenizer, 30), [2], pad, precision="bf16", into=folder)
     assert half.dtype == "float16" and half.nbytes() * 2 == other.nbytes()
+    (folder / "index.json").write_text("{not json")  # damaged: named when opened, computed again over it
+    with pytest.raises(ValueError, match=f"{folder / 'index.json'}: not a reference cache index"):
+        open_reference_states(folder)
+    rebuilt = compute_reference_states(tiny_bert(0), encoded, [2], pad, precision="fp32", into=folder)
+    assert rebuilt.digest == first.digest and torch.equal(rebuilt.row(2, 3), first.row(2, 3))
 
 
 @pytest.mark.parametrize("text, expected", [("500MB", 500 * MB), ("2GB", 2 * 10**9), ("1.5GiB", int(1.5 * 2**30)),
