@@ -11,6 +11,7 @@ inside a real tune run are in tests/test_tune.py (one tune run carries them all)
 
 from __future__ import annotations
 
+import logging
 import os
 import signal
 import subprocess
@@ -263,7 +264,7 @@ def test_failure_after_the_version_exists_removes_it(tmp_path, minilm_tokenizer,
 
 @pytest.mark.slow
 def test_a_cleanup_that_cannot_reach_the_stopped_store_leaves_a_version_check_repair_removes(
-        tmp_path, minilm_tokenizer, restore_mlflow_uris, monkeypatch, caplog, capsys):
+        tmp_path, minilm_tokenizer, restore_mlflow_uris, monkeypatch, capsys):
     """The store goes away right after the version is created, before its description (a real `mlflow
     server`, stopped there), so the cleanup cannot delete the version: the error propagates, the log names the orphan and the
     repair; once the server is back, `promote.py --check` lists it and `--repair` removes it."""
@@ -283,13 +284,23 @@ def test_a_cleanup_that_cannot_reach_the_stopped_store_leaves_a_version_check_re
 
         monkeypatch.setattr(MlflowClient, "update_model_version", store_goes_away)
         monkeypatch.setenv("MLFLOW_HTTP_REQUEST_MAX_RETRIES", "0")  # the cleanup's one attempt, not minutes of retries
-        with pytest.raises(Exception):
-            with mlflow.start_run():
-                registry.log_and_register(folder, _report(), NAME)
+        # The project's logger, read directly: a pipeline's main run earlier in this process may have stopped
+        # it propagating to pytest's capture.
+        records: list[logging.LogRecord] = []
+        handler = logging.Handler(logging.ERROR)
+        handler.emit = records.append
+        logging.getLogger("anchor_rm").addHandler(handler)
+        try:
+            with pytest.raises(Exception):
+                with mlflow.start_run():
+                    registry.log_and_register(folder, _report(), NAME)
+        finally:
+            logging.getLogger("anchor_rm").removeHandler(handler)
         monkeypatch.undo()
         orphan = str(int(first.version) + 1)
-        assert f"could not remove the half-written version {NAME}/{orphan}" in caplog.text, caplog.text[-2000:]
-        assert "promote.py --check --repair" in caplog.text
+        logged = "\n".join(r.getMessage() for r in records)
+        assert f"could not remove the half-written version {NAME}/{orphan}" in logged, logged[-2000:]
+        assert "promote.py --check --repair" in logged
 
         server = start_mlflow_server(tmp_path, port)  # back, same store
         code, out = _promote_check(uri, capsys)
