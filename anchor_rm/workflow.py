@@ -70,12 +70,12 @@ def reference_states(student_name: str, rm: RewardModel, pairs: Sequence[Prefere
     `cache`: ram, disk, live, or auto (reference_cache.choose_reference_cache: RAM within `budget_bytes`,
     default a quarter of physical memory; else disk when `folder` is given and has room; else live). The size
     is estimated before anything is computed; the choice and the figures behind it are logged."""
-    reference = frozen_reference(student_name)
     depth = rm.model.config.num_hidden_layers
     layers = sorted({layer for choice in layer_choices for layer in resolve_anchor_layers(choice, depth)})
     encoded = rm.encode(pairs)
     value_bytes = storage_dtype(precision).itemsize
-    nbytes = estimate_reference_nbytes(encoded, len(layers), reference.config.hidden_size, value_bytes)
+    # The student is the reference's architecture: its config sizes the cache before the reference is loaded.
+    nbytes = estimate_reference_nbytes(encoded, len(layers), rm.model.config.hidden_size, value_bytes)
     budget = default_budget_bytes() if budget_bytes is None else budget_bytes
     free = None if folder is None else disk_free_bytes(folder)
     choice = choose_reference_cache(nbytes, budget, free, cache)
@@ -84,6 +84,7 @@ def reference_states(student_name: str, rm: RewardModel, pairs: Sequence[Prefere
     log.info("reference cache: layers %s on %d sequences, %.1f MB (%d-byte values); budget %.1f MB, disk free %s: %s",
              layers, 2 * len(encoded), nbytes / 1e6, value_bytes, budget / 1e6,
              "-" if free is None else f"{free / 1e6:.0f} MB", choice)
+    reference = frozen_reference(student_name)
     if choice == "live":
         return reference
     return compute_reference_states(reference, encoded, layers, rm.encoder.pad_token_id, batch_size=batch_size,
