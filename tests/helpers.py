@@ -57,17 +57,38 @@ def start_mlflow_server(workdir: Path, port: int) -> subprocess.Popen:
 
 
 def stop_process_group(proc: subprocess.Popen, timeout: float = 20) -> None:
-    """SIGTERM to the process and its children (started with start_new_session), then SIGKILL if needed."""
-    if proc.poll() is not None:
-        return
+    """SIGTERM to the process and its children (started with start_new_session), then SIGKILL if needed.
+    Returns once every process of the group is gone: `mlflow server` exits before the uvicorn it started,
+    which can still answer on an open connection for a moment, so a wait on the leader alone is not an
+    outage yet."""
     try:
         os.killpg(proc.pid, signal.SIGTERM)
-        proc.wait(timeout=timeout)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-        proc.wait(timeout=timeout)
     except ProcessLookupError:
-        pass
+        proc.poll()
+        return
+    deadline = time.monotonic() + timeout
+    while _group_alive(proc):
+        if time.monotonic() > deadline:
+            try:
+                os.killpg(proc.pid, signal.SIGKILL)
+            except ProcessLookupError:
+                break
+            deadline = time.monotonic() + timeout
+        time.sleep(0.05)
+    proc.wait()
+
+
+def _group_alive(proc: subprocess.Popen) -> bool:
+    """Whether a process of proc's group still runs (zombies left to an init that does not reap do not)."""
+    proc.poll()  # reaps the leader once it exits
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue  # exited while listed
+        if int(fields[2]) == proc.pid and fields[0] != "Z":  # fields: state, ppid, pgrp, ...
+            return True
+    return False
 
 
 @contextmanager

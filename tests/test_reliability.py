@@ -291,7 +291,7 @@ def test_a_cleanup_that_cannot_reach_the_stopped_store_leaves_a_version_check_re
         handler.emit = records.append
         logging.getLogger("anchor_rm").addHandler(handler)
         try:
-            with pytest.raises(Exception):
+            with pytest.raises(Exception) as raised:
                 with mlflow.start_run():
                     registry.log_and_register(folder, _report(), NAME)
         finally:
@@ -299,7 +299,7 @@ def test_a_cleanup_that_cannot_reach_the_stopped_store_leaves_a_version_check_re
         monkeypatch.undo()
         orphan = str(int(first.version) + 1)
         logged = "\n".join(r.getMessage() for r in records)
-        assert f"could not remove the half-written version {NAME}/{orphan}" in logged, logged[-2000:]
+        assert f"could not remove the half-written version {NAME}/{orphan}" in logged, (logged[-2000:], raised.value)
         assert "promote.py --check --repair" in logged
 
         server = start_mlflow_server(tmp_path, port)  # back, same store
