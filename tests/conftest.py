@@ -52,7 +52,7 @@ def tiny_bert(minilm_tokenizer):
 # The longest modules first (measured, docs/benchmarks.md "Test suite"): with two xdist workers taking one
 # module at a time in this order, the tune test (about 10 minutes) starts at once and the rest share the
 # other worker, instead of the tune test starting last and running alone.
-LONGEST_FIRST = ("test_tune.py", "test_pipeline_train.py", "test_study.py")
+LONGEST_FIRST = ("test_tune.py", "test_cluster.py", "test_pipeline_train.py", "test_study.py")
 
 
 def pytest_collection_modifyitems(config, items):

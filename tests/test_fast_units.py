@@ -31,18 +31,23 @@ def test_best_trial_takes_full_runs_with_checkpoints_and_breaks_ties_by_smaller_
         best_trial([_outcome("d", 9.0, error="x"), _outcome("e", 8.0, checkpoint=None)])
 
 
-@pytest.mark.parametrize("cpus, concurrency, workers, expected", [
-    (2, 1, 1, (1.99, 2)), (2, 2, 1, (0.99, 1)), (8, 2, 2, (1.99, 2)), (16, 1, 4, (3.99, 4)),
+@pytest.mark.parametrize("nodes, concurrency, workers, expected", [
+    ([2], 1, 1, (1.99, 2)), ([2], 2, 1, (0.99, 1)), ([8], 2, 2, (1.99, 2)), ([16], 1, 4, (3.99, 4)),
+    # several nodes: a worker never asks more than one node has
+    ([1, 1], 1, 1, (0.99, 1)), ([1, 1], 2, 1, (0.98, 1)), ([8, 8], 1, 1, (7.99, 8)), ([8, 8, 8, 8], 1, 4, (7.99, 8)),
+    ([8, 2], 2, 1, (3.99, 4)), ([8, 2], 3, 1, (2.65, 2)),
 ])
-def test_worker_resources_fit_the_trials_in_the_cluster(cpus, concurrency, workers, expected):
-    per_worker, threads = worker_resources(cpus, concurrency, workers)
+def test_worker_resources_fit_the_trials_on_the_nodes(nodes, concurrency, workers, expected):
+    per_worker, threads = worker_resources(nodes, concurrency, workers)
     assert (per_worker, threads) == expected
-    assert concurrency * (DRIVER_CPU + workers * per_worker) <= cpus + 1e-9
+    # wherever Ray puts the drivers, every worker finds a node with room for it
+    room = [cpus - concurrency * DRIVER_CPU for cpus in nodes]
+    assert sum(int(r / per_worker + 1e-9) for r in room) >= concurrency * workers
 
 
 def test_worker_resources_refuse_what_cannot_fit():
-    with pytest.raises(ValueError, match="cannot hold 4 concurrent trials"):
-        worker_resources(0.04, 4, 1)
+    with pytest.raises(ValueError, match=r"nodes with \[0.04\] CPUs cannot hold 4 concurrent trials"):
+        worker_resources([0.04], 4, 1)
 
 
 @pytest.fixture

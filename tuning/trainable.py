@@ -122,6 +122,11 @@ def train_loop_per_worker(config: dict) -> None:
     writer = BufferedRunWriter(payload.tracking_uri, run_id, active=True) if rank == 0 else None
     if writer is not None:
         writer.restore(undelivered)  # what the checkpoint's writer had not sent (the server was unreachable)
+    if writer is not None:
+        runs.set_run_tag(payload.tracking_uri, run_id, f"{keys.RAY_NODE_TAG_PREFIX}{start_epoch}",
+                         ray.get_runtime_context().get_node_id())
+        runs.set_run_tag(payload.tracking_uri, run_id, keys.PROCESS_GROUP_TAG,  # gloo on CPU, nccl on GPU
+                         torch.distributed.get_backend() if torch.distributed.is_initialized() else "none")
     if start_epoch and writer is not None:
         runs.set_run_tag(payload.tracking_uri, run_id, keys.RESUMED_FROM_EPOCH_TAG, str(start_epoch - 1))
     validation = None
@@ -139,14 +144,17 @@ def train_loop_per_worker(config: dict) -> None:
         # This worker's peak resident memory so far, evaluation included (Linux: ru_maxrss in KiB).
         peak_rss_mb = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
         with tempfile.TemporaryDirectory() as tmp:
+            peak = {"worker/peak_rss_mb": peak_rss_mb}
+            if device.type == "cuda":  # the most GPU memory this worker's tensors held so far
+                peak["worker/peak_vram_mb"] = torch.cuda.max_memory_allocated(device) / 2**20
             if writer is not None:
-                writer.add({"worker/peak_rss_mb": peak_rss_mb, "worker/tracking_blocked_s": writer.blocked_s}, epoch)
+                writer.add({**peak, "worker/tracking_blocked_s": writer.blocked_s}, epoch)
                 save_reward_model(rm, tmp, {"method": train_cfg.method, "teacher": cfg.teacher})
                 torch.save({"epoch": epoch, "optimizer_state": opt_state}, Path(tmp) / TRAINING_STATE)
                 writer.checkpoint(tmp)  # one attempt to send; what the server did not take travels in the checkpoint
             tune_metrics = {METRIC: metrics.get("val/mean_nts", 0.0), "val_wrg": metrics.get("val/wrg", 0.0),
                             "val_id_acc": metrics.get(f"val/acc/{keys.metric_name(payload.splits.source)}", 0.0),
-                            "epoch": epoch, "worker_peak_rss_mb": peak_rss_mb}
+                            "epoch": epoch, **{k.replace("/", "_"): v for k, v in peak.items()}}
             ray.train.report(tune_metrics, checkpoint=ray.train.Checkpoint.from_directory(tmp) if rank == 0 else None)
 
     train_student(rm, payload.splits.student_train, payload.soft_labels, train_cfg, writer or NoSink(),
@@ -193,15 +201,32 @@ def trial_driver(config: dict, payload: SharedPayload) -> None:
 DRIVER_CPU = 0.01
 
 
-def worker_resources(total_cpus: float, concurrency: int, num_workers: int) -> tuple[float, int]:
-    """(logical CPUs per worker, torch threads per worker) so that `concurrency` trials fit the cluster."""
-    per_trial = total_cpus / concurrency
-    # Rounded down: rounded to nearest, (4 - 0.01) / 2 = 1.995 became 2.0, and two such trials asked 8.02 of
-    # 8 CPUs, so the second waited instead of running beside the first.
-    logical = math.floor((per_trial - DRIVER_CPU) / num_workers * 100) / 100
+def worker_resources(node_cpus: list[float], concurrency: int, num_workers: int) -> tuple[float, int]:
+    """(logical CPUs per worker, torch threads per worker) so that `concurrency` trials of `num_workers` workers
+    each fit the cluster's nodes (`node_cpus`: each node's CPUs). A worker runs on one node, so it never asks
+    more than a node has (a request sized on the whole cluster would wait forever on a cluster of small
+    nodes); every node keeps room for all the trials' drivers, which Ray may place on any node."""
+    needed = concurrency * num_workers
+    room = [cpus - concurrency * DRIVER_CPU for cpus in node_cpus]
+
+    def fits(per_worker: float) -> bool:
+        return sum(int(r / per_worker + 1e-9) for r in room if r > 0) >= needed
+
+    # Rounded down to hundredths: rounded to nearest, (4 - 0.01) / 2 = 1.995 became 2.0, and two such trials
+    # asked 8.02 of 8 CPUs, so the second waited instead of running beside the first.
+    candidates = sorted({math.floor(r / k * 100) / 100 for r in room if r > 0 for k in range(1, needed + 1)}, reverse=True)
+    logical = next((c for c in candidates if c > 0 and fits(c)), 0.0)
     if logical <= 0:
-        raise ValueError(f"{total_cpus} CPUs cannot hold {concurrency} concurrent trials of {num_workers} workers")
-    return logical, max(1, int(per_trial // num_workers))
+        raise ValueError(f"nodes with {node_cpus} CPUs cannot hold {concurrency} concurrent trials of "
+                         f"{num_workers} workers")
+    return logical, max(1, int(logical + concurrency * DRIVER_CPU + 1e-9))
+
+
+def node_cpus() -> list[float]:
+    """The CPUs of each live node of the connected Ray cluster."""
+    import ray
+
+    return [node["Resources"].get("CPU", 0.0) for node in ray.nodes() if node.get("Alive")]
 
 
 def make_payload(cfg: ProtocolConfig, shared, *, tracking_uri: str, experiment_id: str, parent_run_id: str,
@@ -218,8 +243,7 @@ def make_payload(cfg: ProtocolConfig, shared, *, tracking_uri: str, experiment_i
     from tuning.space import LAYER_CHOICES
 
     gpus = ray.cluster_resources().get("GPU", 0)
-    cpus_per_worker, threads_per_worker = worker_resources(ray.cluster_resources().get("CPU", 1), concurrency,
-                                                           workers_per_trial)
+    cpus_per_worker, threads_per_worker = worker_resources(node_cpus(), concurrency, workers_per_trial)
     payload = SharedPayload(
         cfg=cfg, splits=shared.splits, soft_labels=shared.soft_labels,
         teacher_val=shared.teacher.outputs["scores"]["val"], headline_targets=shared.headline_targets,

@@ -19,6 +19,10 @@ CEILING_RUN_TAG = "anchor_rm.ceiling_run"
 TRIAL_TAG = "anchor_rm.trial_id"
 TRIAL_OUTCOME_TAG = "anchor_rm.trial_outcome"
 RESUMED_FROM_EPOCH_TAG = "anchor_rm.resumed_from_epoch"
+# + the first epoch a worker group trained: the Ray node id of its rank-0 worker (a trial restarted on
+# another node has one tag per start)
+RAY_NODE_TAG_PREFIX = "anchor_rm.ray_node.from_epoch_"
+PROCESS_GROUP_TAG = "anchor_rm.process_group_backend"  # torch.distributed's backend in the trial's workers
 TUNE_NAME_TAG = "anchor_rm.tune_name"
 REGISTERED_TAG = "anchor_rm.registered_version"
 TRIALS_TAG = "anchor_rm.trials"  # on the tune run: how many trials the search ran
