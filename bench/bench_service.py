@@ -53,6 +53,8 @@ def parse_args(argv=None) -> argparse.Namespace:
                         help="ANCHOR_RM_FORWARD_BATCH_SIZE: sequences per forward pass inside a batch")
     parser.add_argument("--precision", choices=["auto", "fp32", "bf16"], default="auto",
                         help="ANCHOR_RM_PRECISION for the service; the plain loop runs in what it resolves to")
+    parser.add_argument("--device", default="cpu", help="where the service and the plain loop score: cpu, cuda or "
+                        "cuda:N (ANCHOR_RM_DEVICE)")
     parser.add_argument("--skip", default="", help="comma-separated parts to skip: batching,no-batching,loop")
     parser.add_argument("--out", help="also write the figures as JSON here")
     return parser.parse_args(argv)
@@ -125,8 +127,8 @@ def warm_up(url: str, pairs: list[tuple[str, str]]) -> None:
 
 
 def serve(workdir: Path, batching: bool, max_batch_size: int, precision: str,
-          forward_batch_size: int = 8) -> tuple[subprocess.Popen, str]:
-    return start_service(workdir, {
+          forward_batch_size: int = 8, device: str = "cpu") -> tuple[subprocess.Popen, str]:
+    return start_service(workdir, {"ANCHOR_RM_DEVICE": device,
         "MLFLOW_TRACKING_URI": f"sqlite:///{workdir / 'mlflow.db'}", "ANCHOR_RM_POLL_SECONDS": "0",
         "ANCHOR_RM_BATCHING": "1" if batching else "0", "ANCHOR_RM_MAX_BATCH_SIZE": str(max_batch_size),
         "ANCHOR_RM_PRECISION": precision, "ANCHOR_RM_FORWARD_BATCH_SIZE": str(forward_batch_size),
@@ -138,13 +140,15 @@ class PlainLoop:
     """One pair at a time through transformers: the tokenizer (prompt cut from the left) and the model, under
     bf16 autocast where `precision` is bf16 (what the service scores in). Loaded and warmed once."""
 
-    def __init__(self, folder: Path, pairs: list[tuple[str, str]], max_length: int, precision: str):
+    def __init__(self, folder: Path, pairs: list[tuple[str, str]], max_length: int, precision: str, device: str = "cpu"):
+        import torch
         from transformers import AutoModelForSequenceClassification, AutoTokenizer
 
         self.tokenizer = AutoTokenizer.from_pretrained(folder)
         self.tokenizer.truncation_side = "left"
-        self.model = AutoModelForSequenceClassification.from_pretrained(folder).eval()
+        self.model = AutoModelForSequenceClassification.from_pretrained(folder).eval().to(device)
         self.pairs, self.max_length, self.precision = pairs, max_length, precision
+        self.device = torch.device(device)
         for prompt, response in pairs:  # warm-up: every pair once, as the service gets (see warm_up)
             self._score(prompt, response)
 
@@ -153,9 +157,9 @@ class PlainLoop:
 
         from anchor_rm.precision import autocast
 
-        with torch.inference_mode(), autocast(self.precision, "cpu"):
-            self.model(**self.tokenizer(prompt, response, truncation=True, max_length=self.max_length,
-                                        return_tensors="pt")).logits
+        with torch.inference_mode(), autocast(self.precision, self.device.type):
+            inputs = self.tokenizer(prompt, response, truncation=True, max_length=self.max_length, return_tensors="pt")
+            self.model(**inputs.to(self.device)).logits.item()  # .item(): waits for the GPU, as the service does
 
     def measure(self, seconds: float) -> dict:
         latencies, i = [], 0
@@ -192,18 +196,20 @@ def main(argv=None) -> int:
                "seconds_per_cell": args.seconds, "cells": []}
     from anchor_rm.precision import resolve_precision
 
-    precision = resolve_precision(args.precision)
+    import torch
+
+    precision = resolve_precision(args.precision, torch.device(args.device).type)
     servers: dict[str, tuple[subprocess.Popen, str]] = {}
     try:
         for batching in (True, False):
             label = "batching" if batching else "no-batching"
             if label not in skip:
                 servers[f"service, batching {'on' if batching else 'off'}"] = serve(
-                    workdir, batching, args.max_batch_size, args.precision, args.forward_batch_size)
+                    workdir, batching, args.max_batch_size, args.precision, args.forward_batch_size, args.device)
         for proc, url in servers.values():
             warm_up(url, pairs)
             drive(url, pairs, 8, 3, args.pairs_per_request)
-        loop = None if "loop" in skip else PlainLoop(folder, pairs, args.max_length, precision)
+        loop = None if "loop" in skip else PlainLoop(folder, pairs, args.max_length, precision, args.device)
         pids = [proc.pid for proc, _ in servers.values()]
         # Repeats interleave every setup, so that a slow minute of the shared machine hits all of them alike.
         for repeat in range(1, args.repeats + 1):
@@ -229,7 +235,7 @@ def main(argv=None) -> int:
     print(f"Machine: {results['machine']}  ")
     print(f"Model: {results['model']}; data: {results['data']}; {args.pairs_per_request} pair(s) per request, "
           f"{args.seconds:g} s per cell; batches of up to {args.max_batch_size} pairs, forward passes of "
-          f"{args.forward_batch_size} sequences; precision {args.precision}.")
+          f"{args.forward_batch_size} sequences; precision {args.precision}; device {args.device}.")
     print()
     def undisturbed(setup: str, concurrency: int) -> list[dict]:
         return [c for c in results["cells"] if c["setup"] == setup and c["concurrency"] == concurrency

@@ -21,6 +21,8 @@ MLFLOW_TRACKING_URI / MLFLOW_REGISTRY_URI (unset: SQLite mlflow.db in the workin
     ANCHOR_RM_DOWNLOAD_DIR          (a new temporary folder)             where model versions are downloaded
     ANCHOR_RM_PRECISION             auto                                 scoring precision: auto (bf16 autocast only on
                                                                          hardware with native bf16), fp32 or bf16
+    ANCHOR_RM_DEVICE                auto                                 where the model scores: auto (the first CUDA GPU
+                                                                         when torch sees one, else the CPU), cpu, cuda, cuda:N
 
 The file uses the same names in lower case without the prefix (model_uri = "...", poll_seconds = 30). The
 API key is read from the environment only: keep secrets out of files that get committed.
@@ -35,6 +37,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import sys
 import tomllib
 from dataclasses import dataclass, field, fields
@@ -85,6 +88,7 @@ class Settings:
     timeout_seconds: float = 300.0
     download_dir: str | None = None
     precision: str = "auto"
+    device: str = "auto"
 
     def limits(self) -> ServingLimits:
         return ServingLimits(self.max_items, self.max_candidates, self.max_text_bytes)
@@ -123,6 +127,8 @@ def _parse(name: str, source: str, raw: object) -> object:
     text = str(raw).strip()
     if name == "precision" and text not in ("auto", "fp32", "bf16"):
         raise SettingsError(f"{source}={raw!r}: expected auto, fp32 or bf16")
+    if name == "device" and not re.fullmatch(r"auto|cpu|cuda(:\d+)?", text):
+        raise SettingsError(f"{source}={raw!r}: expected auto, cpu, cuda or cuda:N")
     if name == "model_uri" and not text:
         raise SettingsError(f"{source} is empty: name a model, e.g. {DEFAULT_MODEL_URI}")
     return text or None

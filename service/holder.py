@@ -104,14 +104,19 @@ class ServedModel:
             "uri": self.uri, "resolved_uri": self.resolved, "run_id": self.run_id,
             "headline_metrics": self.headline, "has_report": self.report is not None,
             "report_error": self.report_error, "base_model": self.base_model, "max_length": self.max_length,
-            "precision": self.scorer.precision, "truncation_policy": TRUNCATION_POLICY, "loaded_at": self.loaded_at,
+            "precision": self.scorer.precision, "device": str(next(self.scorer.model.parameters()).device),
+            "truncation_policy": TRUNCATION_POLICY, "loaded_at": self.loaded_at,
         }
 
 
-def load_served_model(uri: str, download_dir: str | Path, batch_size: int = 32, precision: str = "auto") -> ServedModel:
+def load_served_model(uri: str, download_dir: str | Path, batch_size: int = 32, precision: str = "auto",
+                      device: str = "auto") -> ServedModel:
     """Resolve `uri` (anchor_rm.evaluation.resolve_model_uri: registry, run or folder), load the reward model and
-    its tokenizer (workflow.load_saved), read its report and headline figures. `precision` (auto | fp32 |
-    bf16) is resolved here, once per process, so that /model says what scores."""
+    its tokenizer (workflow.load_saved) onto `device` (auto: the first CUDA GPU torch sees, else the CPU), read
+    its report and headline figures. `precision` (auto | fp32 | bf16) is resolved here for that device, once
+    per process, so that /model says what scores."""
+    import torch
+
     from anchor_rm.mlflow_edge import registry
     from anchor_rm.mlflow_edge.model_package import parse_registry_uri, resolve_model_uri
     from anchor_rm.precision import resolve_precision
@@ -119,13 +124,19 @@ def load_served_model(uri: str, download_dir: str | Path, batch_size: int = 32, 
 
     resolved = resolve_model_uri(uri, download_dir)
     reward_model = load_saved(resolved.folder)
+    if device == "auto":
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+    try:
+        reward_model.model.to(device)
+    except (RuntimeError, AssertionError) as exc:  # no such device, or a torch built without CUDA
+        raise RuntimeError(f"ANCHOR_RM_DEVICE={device}: cannot place the model there ({exc})") from None
     parsed = parse_registry_uri(uri)
     tags: dict[str, str] = {}
     if resolved.registered_name and resolved.version:
         tags = registry.version_tags(resolved.registered_name, resolved.version)
     report, report_error = _load_report(resolved.folder, resolved.registered_name, resolved.version)
     return ServedModel(
-        scorer=reward_model.scorer(batch_size, resolve_precision(precision)), uri=uri, resolved=resolved.name,
+        scorer=reward_model.scorer(batch_size, resolve_precision(precision, torch.device(device).type)), uri=uri, resolved=resolved.name,
         registered_name=resolved.registered_name, version=resolved.version,
         alias=parsed[1] if parsed else None, run_id=resolved.run_id, headline=headline_metrics(tags),
         report=report, report_error=report_error, max_length=reward_model.encoder.max_length,

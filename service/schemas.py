@@ -138,6 +138,8 @@ class ModelInfo(BaseModel):
     precision: str = Field(description="Forward-pass precision of scoring: fp32, or bf16 autocast with the reward "
                                        "head in fp32 (ANCHOR_RM_PRECISION, default auto: bf16 only on hardware with "
                                        "native bf16).")
+    device: str = Field(description="Where the model scores: cpu or cuda:N (ANCHOR_RM_DEVICE, default auto: the "
+                                    "first CUDA GPU when there is one).")
     truncation_policy: str
     loaded_at: str
     poll_seconds: float = Field(description="How often the alias is checked; 0: never.")

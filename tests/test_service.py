@@ -13,6 +13,7 @@ import time
 import httpx
 import numpy as np
 import pytest
+import torch
 from mlflow.tracking import MlflowClient
 
 from anchor_rm import scoring
@@ -132,6 +133,7 @@ def test_settings_defaults_environment_and_file(tmp_path):
     ({"ANCHOR_RM_BATCHING": "maybe"}, ["ANCHOR_RM_BATCHING", "1 or 0"]),
     ({"ANCHOR_RM_MAX_BATCH_SIZE": "1"}, ["at least 2", "ANCHOR_RM_BATCHING=0"]),
     ({"ANCHOR_RM_CONFIG": "/nonexistent/serve.toml"}, ["no such file"]),
+    ({"ANCHOR_RM_DEVICE": "gpu"}, ["ANCHOR_RM_DEVICE='gpu'", "auto, cpu, cuda or cuda:N"]),
 ])
 def test_bad_settings_say_which_and_why(environ, words):
     with pytest.raises(SettingsError) as info:
@@ -354,6 +356,10 @@ def test_a_folder_uri_serves_without_registry_details(registered, tmp_path):
     assert served.version is None and served.registered_name is None
     assert served.ref.name == str(registered["1"]) and served.report is None
     assert "no evaluation report" in served.report_error
+    assert served.describe()["device"] == ("cuda:0" if torch.cuda.is_available() else "cpu")
+    if not torch.cuda.is_available():  # a device the machine does not have is named, not a torch traceback
+        with pytest.raises(RuntimeError, match="ANCHOR_RM_DEVICE=cuda: cannot place the model there"):
+            load_served_model(str(registered["1"]), tmp_path / "dl2", device="cuda")
 
 
 def test_in_fresh_thread_returns_raises_and_leaves_no_thread():

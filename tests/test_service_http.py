@@ -19,6 +19,7 @@ from pathlib import Path
 import httpx
 import numpy as np
 import pytest
+import torch
 from mlflow.tracking import MlflowClient
 
 from anchor_rm.precision import resolve_precision
@@ -135,6 +136,7 @@ def test_model_and_report(store, http):
     assert info["headline_metrics"]["mean_nts"] == pytest.approx(served_report(54.0).mean_nts, abs=0.01)
     assert info["max_length"] == MAX_LENGTH and "left" in info["truncation_policy"]
     assert info["precision"] == resolve_precision("auto")  # ANCHOR_RM_PRECISION unset: the hardware decides
+    assert info["device"] == ("cuda:0" if torch.cuda.is_available() else "cpu")  # ANCHOR_RM_DEVICE unset: auto
     report = http.post("/report").json()
     assert report["mean_nts"] == pytest.approx(served_report(54.0).mean_nts)
     assert [row["dataset"] for row in report["splits"]] == ["hh-helpful-base", "pandalm"]
