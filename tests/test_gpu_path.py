@@ -1,0 +1,49 @@
+"""bench/gpu_path.py builds its steps from the project's own commands: each step's arguments must still parse
+with that command's own parser (the script is run where a GPU is, rarely; a renamed flag must fail here)."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+
+from helpers import PYTHON, ROOT
+
+sys.path.insert(0, str(ROOT / "bench"))
+sys.path.insert(0, str(ROOT / "pipelines"))
+
+
+@pytest.mark.parametrize("flags", [[], ["--device", "cpu", "--student", "minilm-l6", "--quick"]])
+def test_every_step_parses_with_its_commands_parser(tmp_path, flags):
+    import anchor_cost
+    import bench_service
+    import gpu_path
+    import tune
+
+    commands = gpu_path.steps(gpu_path.parse_args(flags), tmp_path)
+    assert set(commands) == {"tune", "anchor_cost", "service"}
+    tune_args = tune.build_parser().parse_args(commands["tune"][2:])
+    assert tune_args.preset == "smoke" and tune_args.use_gpu == ("no" if "cpu" in flags else "yes")
+    cost_argv = commands["anchor_cost"][2:]
+    device = cost_argv[cost_argv.index("--device") + 1]
+    assert device == ("cpu" if "cpu" in flags else "cuda")
+    # anchor_cost refuses a device torch does not have: parse the rest as on a CPU
+    cost_args = anchor_cost.parse_args([a if a != "cuda" else "cpu" for a in cost_argv])
+    assert {"naive", "anchor-last-cached", "anchor-last-disk", "anchor-last-uncached"} == set(cost_args.variants.split(","))
+    service_args = bench_service.parse_args(commands["service"][2:])
+    assert service_args.concurrency == "1,32" and service_args.skip == "no-batching"
+
+
+def test_dry_run_prints_the_steps_and_a_missing_gpu_is_one_line(tmp_path):
+    dry = subprocess.run([PYTHON, str(ROOT / "bench" / "gpu_path.py"), "--dry-run", "--out", str(tmp_path)],
+                         capture_output=True, text=True, timeout=120)
+    assert dry.returncode == 0 and [line.split("]")[0] for line in dry.stdout.splitlines()] == \
+        ["[tune", "[anchor_cost", "[service"], dry.stdout
+    import torch
+
+    if not torch.cuda.is_available():
+        missing = subprocess.run([PYTHON, str(ROOT / "bench" / "gpu_path.py"), "--out", str(tmp_path / "x")],
+                                 capture_output=True, text=True, timeout=120)
+        assert missing.returncode == 2 and "torch sees no CUDA GPU here" in missing.stderr, missing.stderr
+        assert "Traceback" not in missing.stderr and not (tmp_path / "x").exists()
