@@ -11,7 +11,9 @@ suite pays for the shared stages and the trials once:
 - the ANCHOR trials reading the frozen reference's states from the disk cache (`--reference-cache disk`);
 - a trial that raises inside its worker on every attempt: FAILED in MLflow through Tune itself, counted on
   the tune run, and the search selects among the others;
-- promotion and loading of the champion; a second `--resume` of the finished experiment redoes nothing (no
+- the resumed driver SIGKILLed right after the registry created the version: the next `--resume` trains
+  nothing and completes that version (one version, one final-evaluation run);
+- promotion and loading of the champion; a further `--resume` of the finished experiment redoes nothing (no
   trial trains again: every trial's metric history and checkpoints are as they were).
 """
 
@@ -124,10 +126,16 @@ def test_tune_through_a_killed_worker_a_killed_driver_an_outage_and_a_failing_tr
             assert marker.exists(), "the fault hook never fired:\n" + first_log[-3000:]
             assert "registered:" not in first_log
 
-            # 2. --resume, and while its next trial trains, the tracking server goes away for OUTAGE_S seconds.
+            # 2. --resume, and while its next trial trains, the tracking server goes away for OUTAGE_S seconds;
+            # at the end this driver is SIGKILLed right after the registry created the version, before its
+            # description, tags and alias (tests/kill_at_registration/sitecustomize.py).
             resumed_at = time.time()
             resumed_path = tmp_path / "tune-resumed.log"
-            driver = _start_tune([*args, "--resume"], full_env, resumed_path)
+            killed_marker = tmp_path / "killed-at-registration"
+            kill_env = {**full_env, "ANCHOR_RM_TEST_KILL_AT_REGISTRATION": str(killed_marker),
+                        "PYTHONPATH": os.pathsep.join(filter(None, [str(Path(__file__).parent / "kill_at_registration"),
+                                                                     os.environ.get("PYTHONPATH")]))}
+            driver = _start_tune([*args, "--resume"], kill_env, resumed_path)
             try:
                 running = _wait_for_line(resumed_path, r"trial (\w+) epoch 0:", driver, timeout=900).group(1)
                 stop_process_group(server)
@@ -139,21 +147,31 @@ def test_tune_through_a_killed_worker_a_killed_driver_an_outage_and_a_failing_tr
                 if driver.poll() is None:
                     driver.kill()
             resumed = resumed_path.read_text()
-            print(f"tune.py --resume finished in {time.time() - resumed_at:.0f} s; tracking server down {OUTAGE_S} s "
-                  f"from trial {running}'s epoch 0 on")
-            assert returncode == 0, resumed[-5000:]
+            print(f"tune.py --resume SIGKILLed at registration {time.time() - resumed_at:.0f} s after start; tracking "
+                  f"server down {OUTAGE_S} s from trial {running}'s epoch 0 on")
+            assert returncode == -signal.SIGKILL and killed_marker.exists(), (returncode, resumed[-5000:])
             # the trial trained its next epoch while its metrics could not be delivered
             assert f"trial {running} epoch 1:" in before_restart, before_restart[-3000:]
-            assert f"registered: models:/{NAME}/1 (alias challenger)" in resumed
-            assert "| naive W2S |" in resumed and "| confidence W2S |" in resumed
             # the trial that finished before the driver died is not run again
             assert f"trial {first_trial} epoch" not in resumed, resumed[-3000:]
             assert f"trial {first_trial} epoch 1" in first_log
             assert "1 of 4 trials failed; selecting among the others" in resumed, resumed[-5000:]
             assert re.search(r"reference cache: layers \[3, 5, 6\] on \d+ sequences, .*: disk", first_log), first_log[-3000:]
             assert (tmp_path / "ray" / "faults" / "reference_cache" / "index.json").exists()
-
+            assert "registered:" not in resumed
             client = MlflowClient(uri, registry_uri=uri)
+            (half,) = client.search_model_versions(f"name = '{NAME}'")  # created, then the driver died
+            assert str(half.version) == "1" and not half.description and "run_id" not in half.tags, half
+
+            # 2b. --resume again: nothing trains, the final evaluation is done again in its run, and the version
+            # the killed driver created is completed, not registered a second time.
+            completing = run_pipeline("tune.py", *args, "--resume", cwd=tmp_path, env=env, timeout=900)
+            assert completing.returncode == 0, completing.stderr[-5000:]
+            completed = completing.stdout + completing.stderr
+            assert not re.search(r"trial \w+ epoch", completed), completed[-3000:]
+            assert "the final evaluation of an earlier driver of this experiment" in completed, completed[-3000:]
+            assert f"registered: models:/{NAME}/1 (alias challenger)" in completed, completed[-3000:]
+            assert "| naive W2S |" in completed and "| confidence W2S |" in completed
             assert [str(v.version) for v in client.search_model_versions(f"name = '{NAME}'")] == ["1"]
             exp = client.get_experiment_by_name(NAME)
             parents = client.search_runs([exp.experiment_id], "tags.`anchor_rm.stage` = 'tune'")
@@ -193,8 +211,8 @@ def test_tune_through_a_killed_worker_a_killed_driver_an_outage_and_a_failing_tr
                     assert max(loss_steps) == 11  # it finished epoch 1
 
             anchor_done = [t for t in done if t.data.tags["anchor_rm.method"] == "anchor"]
-            selected = re.search(r"selected \{'method': 'anchor', 'anchor_lambda': ([^,]+),", resumed)
-            assert len(anchor_done) == 1 and selected, resumed[-5000:]
+            selected = re.search(r"selected \{'method': 'anchor', 'anchor_lambda': ([^,]+),", completed)
+            assert len(anchor_done) == 1 and selected, completed[-5000:]
             assert float(selected.group(1)) == float(anchor_done[0].data.params["train.anchor_lambda"])
 
             # 4. The registered version: selected among the finished trials, on validation, with its report.

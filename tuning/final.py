@@ -105,15 +105,21 @@ class FinalResult:
 
 
 def register_selected(shared: SharedStages, cfg: ProtocolConfig, baselines: list[TrialOutcome],
-                      anchor: list[TrialOutcome], registered_name: str, tune_run_id: str) -> FinalResult:
+                      anchor: list[TrialOutcome], registered_name: str, tune_run_id: str,
+                      experiment_id: str) -> FinalResult:
     """The post-search protocol, in a nested "final-evaluation" run of the active tune run: the best ANCHOR
     trial by validation NTS (search.best_trial) and the baselines, each evaluated once on the test splits;
     the comparison, the chart and the trials as artifacts; the selected model registered with its report
-    under the alias `challenger`. Registration is keyed on the tune run: a driver killed after registering
-    and resumed completes that version instead of registering another."""
+    under the alias `challenger`. Registration is keyed on the tune run: a driver killed while registering
+    and resumed finds its final-evaluation run again and completes that version instead of registering
+    another."""
     selected = best_trial(anchor)
     log.info("selected %s (val mean NTS %+.2f)", selected.config, selected.val_mean_nts)
-    with runs.start_run(run_name="final-evaluation", nested=True) as final_run_id, \
+    earlier = runs.find_run(experiment_id, {keys.STAGE_TAG: "final", "mlflow.parentRunId": tune_run_id})
+    if earlier is not None:
+        log.info("the final evaluation of an earlier driver of this experiment (run %s) is done again in that run",
+                 earlier)
+    with runs.start_run(run_id=earlier, run_name=None if earlier else "final-evaluation", nested=True) as final_run_id, \
             tempfile.TemporaryDirectory() as tmp:
         runs.set_tags({keys.STAGE_TAG: "final", **shared.tags()})
         train_dict = cfg.student_train.to_dict()

@@ -137,7 +137,8 @@ def run_main_job(cfg: ProtocolConfig, settings: MainJobSettings) -> MainJobResul
         result = MainJobResult(name, None, None, {"shared": shared_seconds, "search": search_seconds},
                                len(baselines) + len(anchor))
         record_failures(baselines + anchor)
-        result.final = register_selected(shared, cfg, baselines, anchor, settings.registered_name, parent_id)
+        result.final = register_selected(shared, cfg, baselines, anchor, settings.registered_name, parent_id,
+                                         experiment_id)
         runs.set_tags({keys.REGISTERED_TAG: f"{result.final.version.name}/{result.final.version.version}"})
     result.seconds["total"] = time.perf_counter() - started
     return result
