@@ -51,3 +51,24 @@ def kill_once_at_then_fail_nth_run(step: int, rank: int, argument: str) -> None:
     kill_step, marker, n, path = argument.split(":", 3)
     fail_nth_run(step, rank, f"{n}:{path}")
     kill_once_at(step, rank, f"{kill_step}:{marker}")
+
+
+def hold_on_the_worker_node_at(step: int, rank: int, argument: str) -> None:
+    """argument "<step>:<marker file>": on the node whose processes have ANCHOR_RM_TEST_NODE=worker
+    (tests/helpers.py: ray_worker_node), the first rank-0 worker to finish that training step waits until its
+    epoch's checkpoint is collected, writes its Train run's name ("train-<trial id>") into the marker file and
+    then holds still, so that the test can kill the whole node under a trial that is mid-epoch."""
+    import ray.train
+
+    at, marker = argument.split(":", 1)
+    if os.environ.get("ANCHOR_RM_TEST_NODE") != "worker" or rank != 0 or step != int(at):
+        return
+    try:
+        os.close(os.open(marker + ".claimed", os.O_CREAT | os.O_EXCL | os.O_WRONLY))  # once, for one trial
+    except FileExistsError:
+        return
+    time.sleep(2 * HEALTH_CHECK_INTERVAL_S + 1)
+    with open(marker + ".tmp", "w") as f:
+        f.write(ray.train.get_context().get_experiment_name())
+    os.replace(marker + ".tmp", marker)
+    time.sleep(900)  # the node is killed under this worker

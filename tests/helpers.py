@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 import os
+import shutil
 import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 import urllib.request
 from collections import Counter
@@ -119,20 +121,58 @@ def metric_steps(client, run_id: str, key: str) -> Counter:
 @contextmanager
 def ray_head(workdir: Path, num_cpus: int = 2):
     """A real `ray start --head` on 127.0.0.1; yields its address and stops it afterwards."""
-    ray_bin = str(Path(PYTHON).parent / "ray")
     port = free_port()
-    env = {**os.environ, "RAY_USAGE_STATS_ENABLED": "0"}
-    started = subprocess.run(
-        [ray_bin, "start", "--head", "--node-ip-address", "127.0.0.1", "--port", str(port), "--num-cpus", str(num_cpus),
-         "--disable-usage-stats"],  # keep the dashboard: Ray Train's cleanup uses its State API
-        cwd=workdir, env=env, capture_output=True, text=True, timeout=180,
-    )
-    if started.returncode != 0:
-        raise RuntimeError(f"ray start failed: {started.stderr[-2000:]}")
-    try:
+    with _ray_node(["--head", "--port", str(port), "--dashboard-port", str(free_port()),
+                    "--ray-client-server-port", str(free_port())], num_cpus, {}, "head"):
         yield f"127.0.0.1:{port}"
+
+
+@contextmanager
+def ray_worker_node(address: str, num_cpus: int = 1, env: dict | None = None):
+    """A second node joined to the cluster at `address` (`ray start --address`), on this machine with its own
+    temporary folder; yields that folder (kill_ray_node takes it) and stops the node afterwards. `env`
+    reaches every process of the node, the workers Ray starts there included."""
+    with _ray_node(["--address", address], num_cpus, env or {}, "worker") as temp_dir:
+        yield temp_dir
+
+
+@contextmanager
+def _ray_node(role_args: list[str], num_cpus: int, env: dict, role: str):
+    # Each node has its own short temporary folder (Ray's socket paths must stay under 108 bytes) and its own
+    # ports, so that several clusters and nodes can run on one machine and stopping one stops only it.
+    temp_dir = tempfile.mkdtemp(prefix=f"ray-{role}-", dir="/tmp")
+    ray_bin = str(Path(PYTHON).parent / "ray")
+    full_env = {**os.environ, "RAY_USAGE_STATS_ENABLED": "0", **env}
+    started = subprocess.run(
+        [ray_bin, "start", *role_args, "--node-ip-address", "127.0.0.1", "--num-cpus", str(num_cpus),
+         "--temp-dir", temp_dir, "--dashboard-agent-listen-port", str(free_port()),
+         "--disable-usage-stats"],  # keep the dashboard: Ray Train's cleanup uses its State API
+        cwd=temp_dir, env=full_env, capture_output=True, text=True, timeout=180,
+    )
+    try:
+        if started.returncode != 0:
+            raise RuntimeError(f"ray start ({role}) failed: {started.stderr[-2000:]}")
+        yield temp_dir
     finally:
-        subprocess.run([ray_bin, "stop", "--force"], env=env, capture_output=True, timeout=120)
+        kill_ray_node(temp_dir)
+        shutil.rmtree(temp_dir, ignore_errors=True)
+
+
+def kill_ray_node(temp_dir: str, sig: int = signal.SIGKILL) -> list[int]:
+    """Sends `sig` to every process of the Ray node whose temporary folder is `temp_dir` (its raylet, agents,
+    workers: each names the folder on its command line), not to other clusters' (`ray stop` would stop every
+    Ray process on the machine). Returns the pids signalled."""
+    hit = []
+    for cmdline in Path("/proc").glob("[0-9]*/cmdline"):
+        try:
+            if temp_dir.encode() in cmdline.read_bytes():
+                pid = int(cmdline.parent.name)
+                if pid != os.getpid():
+                    os.kill(pid, sig)
+                    hit.append(pid)
+        except (OSError, ProcessLookupError):
+            continue  # exited meanwhile
+    return hit
 
 
 # ---------------------------------------------------------------------------------------------------

@@ -1,0 +1,102 @@
+"""The main job on a two-node Ray cluster on this machine: `ray start --head` (1 CPU) and a second node joined
+with `ray start --address` (1 CPU, its own temporary folder), a real `mlflow server`, `tune.py --ray-address`
+with two trials at a time and storage both nodes share. Mid-way through a trial on the second node, that
+whole node is killed (its raylet, agents and workers); the trial goes on from its last checkpoint on the
+head node, and the search registers one version.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import subprocess
+import time
+from pathlib import Path
+
+import pytest
+from mlflow.tracking import MlflowClient
+
+from helpers import (PYTHON, free_port, kill_ray_node, metric_steps, ray_head, ray_worker_node, start_mlflow_server,
+                     stop_process_group)
+from tuning.trainable import STEP_HOOK_ENV
+
+NAME = "anchor-rm-helpful"
+HOLD_STEP = 8  # smoke: 6 steps per epoch; step 8 is mid-way through epoch 1, after epoch 0's checkpoint
+
+
+def _ray_nodes(address: str) -> list[dict]:
+    """Every node the cluster has known, alive or dead, from Ray's state API (`ray list nodes`)."""
+    listed = subprocess.run([str(Path(PYTHON).parent / "ray"), "list", "nodes", "--format", "json", "--detail"],
+                            env={**os.environ, "RAY_ADDRESS": address, "RAY_AUTH_MODE": "token"},  # the API server: from GCS
+                            capture_output=True, text=True, timeout=120)
+    assert listed.returncode == 0, listed.stderr[-2000:]
+    return json.loads(listed.stdout)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(1500)
+def test_two_nodes_run_trials_on_both_and_a_killed_node_hands_its_trial_to_the_other(tmp_path):
+    marker = tmp_path / "held-on-worker-node"
+    port = free_port()
+    uri = f"http://127.0.0.1:{port}"
+    server = start_mlflow_server(tmp_path, port)
+    try:
+        with ray_head(tmp_path, num_cpus=1) as address, \
+                ray_worker_node(address, num_cpus=1, env={"ANCHOR_RM_TEST_NODE": "worker"}) as worker_node:
+            env = {k: v for k, v in os.environ.items() if k not in ("MLFLOW_TRACKING_URI", "MLFLOW_REGISTRY_URI")}
+            env.update({"HF_HUB_OFFLINE": "1",
+                        STEP_HOOK_ENV: f"{Path(__file__).parent / 'fault_hooks.py'}:hold_on_the_worker_node_at:"
+                                       f"{HOLD_STEP}:{marker}"})
+            log_path = tmp_path / "tune.log"
+            args = ["--preset", "smoke", "--num-samples", "1", "--concurrency", "2", "--max-failures", "1",
+                    "--ray-address", address, "--tracking-uri", uri, "--storage-path", str(tmp_path / "shared"),
+                    "--name", "two-nodes"]
+            with open(log_path, "w") as log:
+                driver = subprocess.Popen([PYTHON, str(Path(__file__).parents[1] / "pipelines" / "tune.py"), *args],
+                                          cwd=tmp_path, env=env, stdout=log, stderr=subprocess.STDOUT)
+            try:
+                deadline = time.time() + 900
+                while not marker.exists():
+                    assert driver.poll() is None, log_path.read_text()[-4000:]
+                    assert time.time() < deadline, "no trial reached the hold on the worker node:\n" + log_path.read_text()[-4000:]
+                    time.sleep(1)
+                held = marker.read_text().strip()  # "train-<trial id>"
+                killed = kill_ray_node(worker_node)
+                print(f"{held} held at step {HOLD_STEP} on the worker node; killed its {len(killed)} processes")
+                returncode = driver.wait(timeout=1200)
+            finally:
+                if driver.poll() is None:
+                    driver.kill()
+            out = log_path.read_text()
+            assert returncode == 0, out[-5000:]
+            assert f"registered: models:/{NAME}/1 (alias challenger)" in out, out[-3000:]
+            nodes = {n["node_id"]: n for n in _ray_nodes(address)}
+
+        head = [i for i, n in nodes.items() if n["is_head_node"]]
+        worker = [i for i, n in nodes.items() if not n["is_head_node"]]
+        assert len(head) == 1 and len(worker) == 1, nodes
+        assert nodes[worker[0]]["state"] == "DEAD" and nodes[head[0]]["state"] == "ALIVE", nodes
+
+        client = MlflowClient(uri, registry_uri=uri)
+        exp = client.get_experiment_by_name(NAME)
+        trials = client.search_runs([exp.experiment_id], "tags.`anchor_rm.stage` = 'trial'")
+        assert len(trials) == 3 and all(t.info.status == "FINISHED" for t in trials), [t.info.status for t in trials]
+        placed = {t.data.tags["anchor_rm.trial_id"]: {k.rsplit("_", 1)[1]: v for k, v in t.data.tags.items()
+                                                       if k.startswith("anchor_rm.ray_node.from_epoch_")} for t in trials}
+        print("trial -> first epoch -> node:", {t: {e: "head" if n == head[0] else "worker" for e, n in p.items()}
+                                                 for t, p in placed.items()})
+        # Trials ran on both nodes.
+        assert {placed[t]["0"] for t in placed} == {head[0], worker[0]}, placed
+        # The held trial began on the worker node and, once that node died, went on from its epoch-0 checkpoint
+        # on the head node: its epoch 1 was trained there, and no step was lost.
+        held_id = held.removeprefix("train-")
+        assert placed[held_id] == {"0": worker[0], "1": head[0]}, placed
+        (held_run,) = [t for t in trials if t.data.tags["anchor_rm.trial_id"] == held_id]
+        assert held_run.data.tags["anchor_rm.resumed_from_epoch"] == "0"
+        steps = metric_steps(client, held_run.info.run_id, "train/loss")
+        assert sorted(steps) == list(range(12)), steps
+        assert [str(v.version) for v in client.search_model_versions(f"name = '{NAME}'")] == ["1"]
+        assert re.search(r"trial \w+ epoch 1:", out)
+    finally:
+        stop_process_group(server)
