@@ -83,14 +83,20 @@ def stop_process_group(proc: subprocess.Popen, timeout: float = 20) -> None:
 def _group_alive(proc: subprocess.Popen) -> bool:
     """Whether a process of proc's group still runs (zombies left to an init that does not reap do not)."""
     proc.poll()  # reaps the leader once it exits
+    return bool(_members(proc.pid))
+
+
+def _members(group: int) -> list[int]:
+    """The live processes of process group `group` (zombies excepted)."""
+    members = []
     for stat in Path("/proc").glob("[0-9]*/stat"):
         try:
             fields = stat.read_text().rsplit(")", 1)[1].split()
         except OSError:
             continue  # exited while listed
-        if int(fields[2]) == proc.pid and fields[0] != "Z":  # fields: state, ppid, pgrp, ...
-            return True
-    return False
+        if int(fields[2]) == group and fields[0] != "Z":  # fields: state, ppid, pgrp, ...
+            members.append(int(stat.parent.name))
+    return members
 
 
 @contextmanager
@@ -130,49 +136,51 @@ def ray_head(workdir: Path, num_cpus: int = 2):
 @contextmanager
 def ray_worker_node(address: str, num_cpus: int = 1, env: dict | None = None):
     """A second node joined to the cluster at `address` (`ray start --address`), on this machine with its own
-    temporary folder; yields that folder (kill_ray_node takes it) and stops the node afterwards. `env`
+    temporary folder; yields its process group (kill_ray_node takes it) and stops the node afterwards. `env`
     reaches every process of the node, the workers Ray starts there included."""
-    with _ray_node(["--address", address], num_cpus, env or {}, "worker") as temp_dir:
-        yield temp_dir
+    # The head of a `ray start` cluster (Ray >= 2.59) asks for its token, which a joining node sends only in
+    # token mode; the token itself is ~/.ray/auth_token, which the head wrote.
+    with _ray_node(["--address", address], num_cpus, {"RAY_AUTH_MODE": "token", **(env or {})}, "worker") as group:
+        yield group
 
 
 @contextmanager
 def _ray_node(role_args: list[str], num_cpus: int, env: dict, role: str):
-    # Each node has its own short temporary folder (Ray's socket paths must stay under 108 bytes) and its own
-    # ports, so that several clusters and nodes can run on one machine and stopping one stops only it.
+    # Each node has its own short temporary folder (Ray's socket paths must stay under 108 bytes), its own
+    # ports and its own session: `ray start` runs in a new process group, which every process of the node
+    # (raylet, agents, workers) keeps, so that stopping one node, or one cluster, leaves the others alone
+    # (`ray stop` stops every Ray process on the machine).
     temp_dir = tempfile.mkdtemp(prefix=f"ray-{role}-", dir="/tmp")
     ray_bin = str(Path(PYTHON).parent / "ray")
     full_env = {**os.environ, "RAY_USAGE_STATS_ENABLED": "0", **env}
-    started = subprocess.run(
+    starter = subprocess.Popen(
         [ray_bin, "start", *role_args, "--node-ip-address", "127.0.0.1", "--num-cpus", str(num_cpus),
          "--temp-dir", temp_dir, "--dashboard-agent-listen-port", str(free_port()),
          "--disable-usage-stats"],  # keep the dashboard: Ray Train's cleanup uses its State API
-        cwd=temp_dir, env=full_env, capture_output=True, text=True, timeout=180,
+        cwd=temp_dir, env=full_env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True,
     )
     try:
-        if started.returncode != 0:
-            raise RuntimeError(f"ray start ({role}) failed: {started.stderr[-2000:]}")
-        yield temp_dir
+        _, stderr = starter.communicate(timeout=180)
+        if starter.returncode != 0:
+            raise RuntimeError(f"ray start ({role}) failed: {stderr[-2000:]}")
+        yield starter.pid
     finally:
-        kill_ray_node(temp_dir)
+        kill_ray_node(starter.pid)
         shutil.rmtree(temp_dir, ignore_errors=True)
 
 
-def kill_ray_node(temp_dir: str, sig: int = signal.SIGKILL) -> list[int]:
-    """Sends `sig` to every process of the Ray node whose temporary folder is `temp_dir` (its raylet, agents,
-    workers: each names the folder on its command line), not to other clusters' (`ray stop` would stop every
-    Ray process on the machine). Returns the pids signalled."""
-    hit = []
-    for cmdline in Path("/proc").glob("[0-9]*/cmdline"):
+def kill_ray_node(group: int) -> None:
+    """SIGKILLs every process of a Ray node started by _ray_node (its process group `group`) and returns once
+    they are gone: the node dies as a machine that loses power would."""
+    deadline = time.monotonic() + 60
+    while _members(group):
         try:
-            if temp_dir.encode() in cmdline.read_bytes():
-                pid = int(cmdline.parent.name)
-                if pid != os.getpid():
-                    os.kill(pid, sig)
-                    hit.append(pid)
-        except (OSError, ProcessLookupError):
-            continue  # exited meanwhile
-    return hit
+            os.killpg(group, signal.SIGKILL)
+        except ProcessLookupError:
+            break
+        if time.monotonic() > deadline:
+            raise RuntimeError(f"processes of group {group} outlived SIGKILL: {_members(group)}")
+        time.sleep(0.1)
 
 
 # ---------------------------------------------------------------------------------------------------

@@ -62,8 +62,8 @@ def test_two_nodes_run_trials_on_both_and_a_killed_node_hands_its_trial_to_the_o
                     assert time.time() < deadline, "no trial reached the hold on the worker node:\n" + log_path.read_text()[-4000:]
                     time.sleep(1)
                 held = marker.read_text().strip()  # "train-<trial id>"
-                killed = kill_ray_node(worker_node)
-                print(f"{held} held at step {HOLD_STEP} on the worker node; killed its {len(killed)} processes")
+                kill_ray_node(worker_node)
+                print(f"{held} held at step {HOLD_STEP} on the worker node; the node's processes killed")
                 returncode = driver.wait(timeout=1200)
             finally:
                 if driver.poll() is None:
