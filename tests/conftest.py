@@ -7,12 +7,6 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 URI_ENV = ("MLFLOW_TRACKING_URI", "MLFLOW_REGISTRY_URI")
 for _name in URI_ENV:
     os.environ.pop(_name, None)
-# One torch thread per core that each xdist worker has: two workers of two threads each on 2 cores ran a
-# MiniLM-L6 training step 2.5x slower in total than two of one thread each (OpenMP threads spin while the
-# other process holds the core; docs/benchmarks.md, "Test suite"). Set before torch is imported anywhere;
-# the pipelines, services and Ray nodes the tests start inherit it (tests/helpers.py: TEST_THREADS).
-TEST_THREADS = max(1, (os.cpu_count() or 1) // int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1")))
-os.environ.setdefault("OMP_NUM_THREADS", str(TEST_THREADS))
 
 import pytest  # noqa: E402
 

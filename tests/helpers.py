@@ -124,13 +124,8 @@ def metric_steps(client, run_id: str, key: str) -> Counter:
     return Counter(m.step for m in client.get_metric_history(run_id, key))
 
 
-# The CPUs a test may keep busy: its xdist worker's share of the machine (tests/conftest.py sets OMP_NUM_THREADS
-# to it). A Ray head with more would give each trial's worker more torch threads than the share.
-TEST_THREADS = int(os.environ.get("OMP_NUM_THREADS", "1"))
-
-
 @contextmanager
-def ray_head(workdir: Path, num_cpus: int = TEST_THREADS):
+def ray_head(workdir: Path, num_cpus: int = 2):
     """A real `ray start --head` on 127.0.0.1; yields its address and stops it afterwards."""
     port = free_port()
     with _ray_node(["--head", "--port", str(port), "--dashboard-port", str(free_port()),
