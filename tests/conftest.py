@@ -17,10 +17,9 @@ pytest_plugins = ["service_fixtures"]
 @pytest.fixture(autouse=True)
 def mlflow_uris_do_not_leak():
     """MLflow keeps the tracking and registry URIs in module globals and exports them to the environment, so a
-    test's URIs would outlive it in its worker process, and a later test connecting to another store would
-    keep the stale registry (store.connect leaves an exported MLFLOW_REGISTRY_URI alone, as a user's own).
-    Under xdist the tune test runs first and its stopped server's registry reached two later tests. Each test
-    leaves both URIs as it found them (a module's fixtures may have set them before)."""
+    test's URIs would outlive it in its worker process. store.connect moves the registry with the tracking
+    store (tests/test_fast_units.py); a test that sets URIs with MLflow's own calls still must not reach the
+    next one. Each test leaves both URIs as it found them (a module's fixtures may have set them before)."""
     env = {name: os.environ.get(name) for name in URI_ENV}
     modules = ("mlflow.tracking._tracking_service.utils", "_tracking_uri"), ("mlflow.tracking._model_registry.utils", "_registry_uri")
     saved = [getattr(sys.modules.get(module), attr, None) for module, attr in modules]

@@ -61,6 +61,26 @@ def sqlite_experiment(tmp_path):
     mlflow.set_registry_uri(before[1])
 
 
+def test_connecting_to_another_store_moves_the_registry_with_it(tmp_path, monkeypatch):
+    """The registry follows the tracking store from one connect to the next in a process (MLflow exports the
+    first store's registry as $MLFLOW_REGISTRY_URI, which once kept registrations on it); a registry the user
+    exported before is kept."""
+    from anchor_rm.mlflow_edge.store import connect
+
+    first, second = f"sqlite:///{tmp_path / 'a.db'}", "http://127.0.0.1:9"
+    connect(first)
+    assert mlflow.get_registry_uri() == first
+    connect(second)
+    assert (mlflow.get_tracking_uri(), mlflow.get_registry_uri()) == (second, second)
+    mlflow.set_registry_uri(first)  # what a caller restoring its URIs does: exported again
+    connect(second)
+    assert mlflow.get_registry_uri() == second
+    users = f"sqlite:///{tmp_path / 'registry.db'}"
+    monkeypatch.setenv("MLFLOW_REGISTRY_URI", users)
+    connect(first)
+    assert (mlflow.get_tracking_uri(), mlflow.get_registry_uri()) == (first, users)
+
+
 def test_a_stage_runs_once_per_input_digest_and_is_read_back_after(sqlite_experiment):
     from anchor_rm.mlflow_edge.keys import cache_key
     from anchor_rm.mlflow_edge.runs import stage_run

@@ -285,8 +285,9 @@ def test_a_cleanup_that_cannot_reach_the_stopped_store_leaves_a_version_check_re
 
         monkeypatch.setattr(MlflowClient, "update_model_version", store_goes_away)
         monkeypatch.setenv("MLFLOW_HTTP_REQUEST_MAX_RETRIES", "0")  # the cleanup's one attempt, not minutes of retries
-        # The project's logger, read directly: a pipeline's main run earlier in this process may have stopped
-        # it propagating to pytest's capture.
+        # The project's logger, read directly. (This test once failed after other modules on the same worker:
+        # the registry had stayed on an earlier test's SQLite store, so nothing failed to clean up; fixed in
+        # store.connect.)
         records: list[logging.LogRecord] = []
         handler = logging.Handler(logging.ERROR)
         handler.emit = records.append

@@ -26,17 +26,28 @@ def resolve_tracking_uri(cli_value: str | None = None) -> str:
     return f"sqlite:///{Path.cwd() / DEFAULT_DB}"
 
 
+# The stores connect() made their own registry. mlflow.set_registry_uri exports the URI as
+# $MLFLOW_REGISTRY_URI (for subprocesses), so that variable alone cannot tell a registry the user chose from
+# one set here before, for another store.
+_defaulted_registries: set[str] = set()
+
+
 def connect(tracking_uri: str | None = None, *, must_exist: bool = False) -> str:
-    """Points MLflow's tracking and registry at the store (a SQLite store is its own registry unless
-    $MLFLOW_REGISTRY_URI says otherwise); returns the URI. `must_exist`: refuse to create an empty SQLite
-    file (a command that only reads the registry)."""
+    """Points MLflow's tracking and registry at the store (the store is its own registry unless the user's
+    $MLFLOW_REGISTRY_URI names another); returns the URI. `must_exist`: refuse to create an empty SQLite
+    file (a command that only reads the registry). Called again in the same process with another store,
+    both move: the registry never stays on the store connected before."""
     uri = resolve_tracking_uri(tracking_uri)
     if must_exist and uri.startswith("sqlite:///"):
         path = Path(uri[len("sqlite:///"):])
         if not path.exists():
             raise FileNotFoundError(f"no MLflow database at {path} (pass --tracking-uri or set MLFLOW_TRACKING_URI)")
     mlflow.set_tracking_uri(uri)
-    if uri.startswith("sqlite:") and not os.environ.get("MLFLOW_REGISTRY_URI"):
+    users = os.environ.get("MLFLOW_REGISTRY_URI")
+    if users and users not in _defaulted_registries:
+        mlflow.set_registry_uri(users)
+    else:
+        _defaulted_registries.add(uri)
         mlflow.set_registry_uri(uri)
     return uri
 
