@@ -25,18 +25,35 @@ NAME = "anchor-rm-helpful"
 HOLD_STEP = 8  # smoke: 6 steps per epoch; step 8 is mid-way through epoch 1, after epoch 0's checkpoint
 
 
-def _ray_nodes(address: str) -> list[dict]:
-    """Every node the cluster has known, alive or dead, from Ray's state API (`ray list nodes`)."""
-    listed = subprocess.run([str(Path(PYTHON).parent / "ray"), "list", "nodes", "--format", "json", "--detail"],
+TIMEOUT_S = 1500
+
+
+def _ray_list(address: str, what: str) -> list[dict]:
+    """Ray's state API (`ray list <what>`): for nodes, every node the cluster has known, alive or dead."""
+    listed = subprocess.run([str(Path(PYTHON).parent / "ray"), "list", what, "--format", "json", "--detail"],
                             env={**os.environ, "RAY_ADDRESS": address, "RAY_AUTH_MODE": "token"},  # the API server: from GCS
                             capture_output=True, text=True, timeout=120)
     assert listed.returncode == 0, listed.stderr[-2000:]
     return json.loads(listed.stdout)
 
 
+def _cluster_state(address: str) -> str:
+    """What a stuck run is waiting for: the placement groups and the live actors, one line each."""
+    lines = []
+    for what, keys in (("placement-groups", ("placement_group_id", "state", "bundles")),
+                       ("actors", ("class_name", "state", "node_id", "required_resources"))):
+        try:
+            lines += [f"{what}: " + " ".join(str(item.get(k)) for k in keys) for item in _ray_list(address, what)
+                      if item.get("state") != "DEAD"]
+        except Exception as exc:  # the report of a failure must not fail
+            lines.append(f"{what}: unavailable ({exc})")
+    return "\n".join(lines)
+
+
 @pytest.mark.slow
-@pytest.mark.timeout(1500)
+@pytest.mark.timeout(TIMEOUT_S)
 def test_two_nodes_run_trials_on_both_and_a_killed_node_hands_its_trial_to_the_other(tmp_path):
+    started = time.time()
     marker = tmp_path / "held-on-worker-node"
     port = free_port()
     uri = f"http://127.0.0.1:{port}"
@@ -64,19 +81,28 @@ def test_two_nodes_run_trials_on_both_and_a_killed_node_hands_its_trial_to_the_o
                 held = marker.read_text().strip()  # "train-<trial id>"
                 kill_ray_node(worker_node)
                 print(f"{held} held at step {HOLD_STEP} on the worker node; the node's processes killed")
-                returncode = driver.wait(timeout=1200)
+                try:  # what is left of the test's time but two minutes, to report what the run waits for
+                    returncode = driver.wait(timeout=max(60, started + TIMEOUT_S - 120 - time.time()))
+                except subprocess.TimeoutExpired:
+                    pytest.fail("tune.py did not finish after the node was killed:\n" + _cluster_state(address)
+                                + "\n" + log_path.read_text()[-4000:])
             finally:
                 if driver.poll() is None:
                     driver.kill()
             out = log_path.read_text()
             assert returncode == 0, out[-5000:]
             assert f"registered: models:/{NAME}/1 (alias challenger)" in out, out[-3000:]
-            nodes = {n["node_id"]: n for n in _ray_nodes(address)}
+            nodes = {n["node_id"]: n for n in _ray_list(address, "nodes")}
+            actors = _ray_list(address, "actors")
 
         head = [i for i, n in nodes.items() if n["is_head_node"]]
         worker = [i for i, n in nodes.items() if not n["is_head_node"]]
         assert len(head) == 1 and len(worker) == 1, nodes
         assert nodes[worker[0]]["state"] == "DEAD" and nodes[head[0]]["state"] == "ALIVE", nodes
+        # Every trial's Train controller ran on the head: Ray Train pins it to the node of the trial's driver,
+        # which DRIVER_RESOURCES puts on the head; the node's death took only a Train worker.
+        controllers = [a["node_id"] for a in actors if a["class_name"] == "TrainController"]
+        assert len(controllers) >= 3 and set(controllers) == {head[0]}, actors
 
         client = MlflowClient(uri, registry_uri=uri)
         exp = client.get_experiment_by_name(NAME)

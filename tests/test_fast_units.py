@@ -11,7 +11,7 @@ import pytest
 from mlflow.tracking import MlflowClient
 
 from tuning.search import TrialOutcome, best_trial
-from tuning.trainable import DRIVER_CPU, worker_resources
+from tuning.trainable import DRIVER_RESOURCES, worker_resources
 
 
 def _outcome(trial: str, nts: float, epochs: int = 2, lam: float | None = 1e-4, checkpoint: str | None = "ckpt",
@@ -32,22 +32,22 @@ def test_best_trial_takes_full_runs_with_checkpoints_and_breaks_ties_by_smaller_
 
 
 @pytest.mark.parametrize("nodes, concurrency, workers, expected", [
-    ([2], 1, 1, (1.99, 2)), ([2], 2, 1, (0.99, 1)), ([8], 2, 2, (1.99, 2)), ([16], 1, 4, (3.99, 4)),
+    ([2], 1, 1, (2.0, 2)), ([2], 2, 1, (1.0, 1)), ([8], 2, 2, (2.0, 2)), ([16], 1, 4, (4.0, 4)),
     # several nodes: a worker never asks more than one node has
-    ([1, 1], 1, 1, (0.99, 1)), ([1, 1], 2, 1, (0.98, 1)), ([8, 8], 1, 1, (7.99, 8)), ([8, 8, 8, 8], 1, 4, (7.99, 8)),
-    ([8, 2], 2, 1, (3.99, 4)), ([8, 2], 3, 1, (2.65, 2)),
+    ([1, 1], 1, 1, (1.0, 1)), ([1, 1], 2, 1, (1.0, 1)), ([8, 8], 1, 1, (8.0, 8)), ([8, 8, 8, 8], 1, 4, (8.0, 8)),
+    ([8, 2], 2, 1, (4.0, 4)), ([8, 2], 3, 1, (2.66, 2)), ([0, 8], 2, 1, (4.0, 4)),  # a head node with no CPU
 ])
 def test_worker_resources_fit_the_trials_on_the_nodes(nodes, concurrency, workers, expected):
     per_worker, threads = worker_resources(nodes, concurrency, workers)
     assert (per_worker, threads) == expected
-    # wherever Ray puts the drivers, every worker finds a node with room for it
-    room = [cpus - concurrency * DRIVER_CPU for cpus in nodes]
-    assert sum(int(r / per_worker + 1e-9) for r in room) >= concurrency * workers
+    # every worker finds a node with room for it (the drivers hold no CPU: DRIVER_RESOURCES)
+    assert sum(int(cpus / per_worker + 1e-9) for cpus in nodes) >= concurrency * workers
+    assert DRIVER_RESOURCES["CPU"] == 0
 
 
 def test_worker_resources_refuse_what_cannot_fit():
-    with pytest.raises(ValueError, match=r"nodes with \[0.04\] CPUs cannot hold 4 concurrent trials"):
-        worker_resources([0.04], 4, 1)
+    with pytest.raises(ValueError, match=r"nodes with \[0.03\] CPUs cannot hold 4 concurrent trials"):
+        worker_resources([0.03], 4, 1)
 
 
 @pytest.fixture

@@ -21,7 +21,7 @@ from ray import tune
 from anchor_rm.mlflow_edge.writer import OUTAGE_ENV
 from tuning.callbacks import MlflowTrialStatus, ProgressLog
 from tuning.space import METRIC, make_scheduler, make_searcher
-from tuning.trainable import DRIVER_CPU, STEP_HOOK_ENV, SharedPayload, trial_driver
+from tuning.trainable import DRIVER_RESOURCES, STEP_HOOK_ENV, SharedPayload, trial_driver
 
 log = logging.getLogger("anchor_rm")
 
@@ -81,7 +81,7 @@ def run_search(payload: SharedPayload, *, num_samples: int, concurrency: int, re
     """Runs (or resumes) the baselines and the ANCHOR search under payload.storage_path (the experiment's
     folder); returns (baseline outcomes, anchor outcomes)."""
     root = Path(payload.storage_path)
-    trainable = tune.with_resources(tune.with_parameters(trial_driver, payload=payload), {"CPU": DRIVER_CPU})
+    trainable = tune.with_resources(tune.with_parameters(trial_driver, payload=payload), DRIVER_RESOURCES)
     callbacks = [MlflowTrialStatus(payload.tracking_uri, payload.experiment_id, payload.parent_run_id), ProgressLog()]
     epochs = payload.cfg.student_train.epochs
 

@@ -197,29 +197,34 @@ def trial_driver(config: dict, payload: SharedPayload) -> None:
     trainer.fit()
 
 
-# The Tune function only builds and watches the TorchTrainer; Ray rejects a zero request, so it holds a sliver.
-DRIVER_CPU = 0.01
+# The Tune function only builds and watches the TorchTrainer, on the head node: there Ray Train keeps its own
+# state actor, and it pins each trial's Train controller to the node of the function that calls fit. A worker
+# node that dies then takes only Train workers with it, which Ray Train restarts from the trial's last
+# checkpoint on a live node; a trial function on that node would die too, and Tune's retry of the whole trial
+# once waited forever on a cluster still losing the node (a CI run of tests/test_cluster.py; not explained).
+# It holds no CPU, so a head node started with none (KubeRay's advice) runs it; Ray needs a non-zero request,
+# hence a sliver of the head node's own marker resource.
+DRIVER_RESOURCES = {"CPU": 0, "node:__internal_head__": 0.001}
 
 
 def worker_resources(node_cpus: list[float], concurrency: int, num_workers: int) -> tuple[float, int]:
     """(logical CPUs per worker, torch threads per worker) so that `concurrency` trials of `num_workers` workers
     each fit the cluster's nodes (`node_cpus`: each node's CPUs). A worker runs on one node, so it never asks
     more than a node has (a request sized on the whole cluster would wait forever on a cluster of small
-    nodes); every node keeps room for all the trials' drivers, which Ray may place on any node."""
+    nodes). The trials' drivers hold no CPU (DRIVER_RESOURCES)."""
     needed = concurrency * num_workers
-    room = [cpus - concurrency * DRIVER_CPU for cpus in node_cpus]
 
     def fits(per_worker: float) -> bool:
-        return sum(int(r / per_worker + 1e-9) for r in room if r > 0) >= needed
+        return sum(int(cpus / per_worker + 1e-9) for cpus in node_cpus if cpus > 0) >= needed
 
-    # Rounded down to hundredths: rounded to nearest, (4 - 0.01) / 2 = 1.995 became 2.0, and two such trials
-    # asked 8.02 of 8 CPUs, so the second waited instead of running beside the first.
-    candidates = sorted({math.floor(r / k * 100) / 100 for r in room if r > 0 for k in range(1, needed + 1)}, reverse=True)
+    # Rounded down to hundredths: 8 CPUs for 3 workers is 2.66 each, and three such ask 7.98, not 8.01.
+    candidates = sorted({math.floor(cpus / k * 100) / 100 for cpus in node_cpus if cpus > 0
+                         for k in range(1, needed + 1)}, reverse=True)
     logical = next((c for c in candidates if c > 0 and fits(c)), 0.0)
     if logical <= 0:
         raise ValueError(f"nodes with {node_cpus} CPUs cannot hold {concurrency} concurrent trials of "
                          f"{num_workers} workers")
-    return logical, max(1, int(logical + concurrency * DRIVER_CPU + 1e-9))
+    return logical, max(1, int(logical + 1e-9))
 
 
 def node_cpus() -> list[float]:
