@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from helpers import ROOT, run_pipeline, tiny_model_folder
+from helpers import ROOT, run_pipeline, sqlite_store, tiny_model_folder
 
 REGISTERED = "anchor-rm-test"
 TEACHER_TAG = "anchor_rm.teacher_run"
@@ -81,16 +81,21 @@ class Store:
 
 @pytest.fixture(scope="module")
 def store(tmp_path_factory, minilm_tokenizer):
+    root = tmp_path_factory.mktemp("registry")
+    # sqlite_store gives the URIs and their environment back afterwards: restored with mlflow.set_registry_uri
+    # alone, MLflow's default registry stayed exported as MLFLOW_REGISTRY_URI for the later modules on this
+    # worker (outside any test, where the autouse fixture cannot restore it).
+    with sqlite_store(root, "anchor-rm-test") as uri:
+        yield _registered_store(uri, root, minilm_tokenizer)
+
+
+def _registered_store(uri: str, root, minilm_tokenizer):
     import mlflow
 
     from anchor_rm.mlflow_edge import registry
-    from anchor_rm.mlflow_edge.store import configure
     from anchor_rm.report import SplitResult, build_report
 
-    root = tmp_path_factory.mktemp("registry")
-    uri = f"sqlite:///{root / 'mlflow.db'}"
-    previous = mlflow.get_tracking_uri(), mlflow.get_registry_uri()
-    experiment_id = configure(uri, "anchor-rm-test")
+    experiment_id = mlflow.get_experiment_by_name("anchor-rm-test").experiment_id
     teacher_folder = tiny_model_folder(root / "teacher", minilm_tokenizer, 1, 64, "tiny-teacher", {"stage": "teacher"})
     student_folder = tiny_model_folder(root / "student", minilm_tokenizer, 0, 64, "tiny-student",
                                        {"method": "anchor", "teacher": "tiny-teacher"})
@@ -108,10 +113,8 @@ def store(tmp_path_factory, minilm_tokenizer):
                          TEACHER_TAG: teacher_run.info.run_id})
         mlflow.log_params({"source": "hhh-harmless", "train.anchor_lambda": 0.01})
         version = registry.log_and_register(student_folder, training_report, REGISTERED)
-    yield Store(uri, version.version, student_run.info.run_id, teacher_run.info.run_id, student_folder,
-                teacher_folder, root)
-    mlflow.set_tracking_uri(previous[0])
-    mlflow.set_registry_uri(previous[1])
+    return Store(uri, version.version, student_run.info.run_id, teacher_run.info.run_id, student_folder,
+                 teacher_folder, root)
 
 
 @pytest.fixture

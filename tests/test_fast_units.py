@@ -67,6 +67,7 @@ def test_connecting_to_another_store_moves_the_registry_with_it(tmp_path, monkey
     exported before is kept."""
     from anchor_rm.mlflow_edge.store import connect
 
+    monkeypatch.delenv("MLFLOW_REGISTRY_URI", raising=False)  # no registry of the user's, to begin with
     first, second = f"sqlite:///{tmp_path / 'a.db'}", "http://127.0.0.1:9"
     connect(first)
     assert mlflow.get_registry_uri() == first
