@@ -25,7 +25,7 @@ NAME = "anchor-rm-helpful"
 HOLD_STEP = 8  # smoke: 6 steps per epoch; step 8 is mid-way through epoch 1, after epoch 0's checkpoint
 
 
-TIMEOUT_S = 1500
+TIMEOUT_S = 2400  # a hang guard: 456 s alone, up to 1,360 s beside the rest of the suite (M3)
 
 
 def _ray_list(address: str, what: str) -> list[dict]:
