@@ -12,8 +12,13 @@ import os
 from dataclasses import dataclass
 from pathlib import Path
 
-import torch
-from transformers import AutoConfig, AutoModelForSequenceClassification, AutoTokenizer, PreTrainedModel
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:  # torch and transformers load in the loaders below: resolving a name, or a registry
+    from transformers import PreTrainedModel  # client that only reads model folders, does not pay ~8 s for them
+
+# Saved beside the weights of every model we save: how the scorer encodes (max length, kind).
+SCORER_CONFIG = "anchor_rm.json"
 
 
 class ModelError(ValueError):
@@ -84,6 +89,9 @@ def model_cache_dir() -> Path:
 
 def _dequantized_folder(source: ModelSource) -> str:
     """GGUF loading dequantises on every load (~15 s for SmolLM2): convert once to an fp32 checkpoint."""
+    import torch
+    from transformers import AutoModelForSequenceClassification, AutoTokenizer
+
     target = model_cache_dir() / source.name
     if (target / "config.json").exists():
         return str(target)
@@ -103,6 +111,8 @@ def _dequantized_folder(source: ModelSource) -> str:
 
 
 def load_tokenizer(source: ModelSource):
+    from transformers import AutoTokenizer
+
     path = _dequantized_folder(source) if source.gguf_file else source.path
     try:
         tokenizer = AutoTokenizer.from_pretrained(path)
@@ -121,6 +131,9 @@ def load_reward_model(source: ModelSource, *, dropout: float | None = 0.0) -> Pr
     dropout=0.0 turns dropout off: the anchor term is then exactly zero at step 0 (student and frozen
     reference compute the same hidden states) and reward training is deterministic on CPU.
     """
+    import torch
+    from transformers import AutoConfig, AutoModelForSequenceClassification
+
     path = _dequantized_folder(source) if source.gguf_file else source.path
     try:
         config = AutoConfig.from_pretrained(path, num_labels=1)

@@ -18,15 +18,13 @@ from anchor_rm.losses import resolve_anchor_layers
 from anchor_rm.reference_cache import (ReferenceStates, choose_reference_cache, compute_reference_states,
                                       default_budget_bytes, disk_free_bytes, estimate_reference_nbytes, storage_dtype)
 from anchor_rm.metrics import pairwise_accuracy, tie_rate
-from anchor_rm.models import ModelSource, is_decoder, load_reward_model, load_tokenizer, resolve_model
+from anchor_rm.models import SCORER_CONFIG, ModelSource, is_decoder, load_reward_model, load_tokenizer, resolve_model
 from anchor_rm.report import SplitResult
 from anchor_rm.scoring import EncodedPairs, HiddenStatesHook, RewardScorer, encode_pairs
 from anchor_rm.splits import ProtocolSplits
 from anchor_rm.training import StepLog, TrainConfig, TrainResult, train_reward_model
 
 log = logging.getLogger("anchor_rm")
-
-SCORER_CONFIG = "anchor_rm.json"  # saved beside the weights: how the scorer encodes (max length, kind)
 
 
 @dataclass
