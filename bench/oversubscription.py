@@ -1,15 +1,19 @@
-"""Two processes training at once on the same cores, with 2 torch threads each against 1 each (not a test).
+"""Two processes training at once on the same cores, with 2 torch threads each against 1 each, and with
+OpenMP's waiting threads spinning as long as libgomp's default, sleeping at once (OMP_WAIT_POLICY=PASSIVE) or
+spinning briefly (GOMP_SPINCOUNT=1000) (not a test).
 
 What two pytest-xdist workers on a 2-core machine do when each runs a torch-heavy test: each process runs
 MiniLM-L6-shaped BERT training steps (random weights, 16 sequences x 128 tokens, forward + backward + AdamW);
 the script times them alone with 2 threads, then two at once with 2 threads each, then two at once with 1
-thread each, and prints seconds per step and the pairs' combined steps per second.
+thread each, each setup under the three waits, and prints seconds per step and the pairs' combined steps
+per second.
 
     .venv/bin/python bench/oversubscription.py
 """
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 import time
@@ -39,9 +43,14 @@ def one(threads: int, steps: int = 6) -> float:
     return (time.perf_counter() - started) / steps
 
 
-def run(threads: int, processes: int) -> list[float]:
-    procs = [subprocess.Popen([sys.executable, __file__, "--one", str(threads)], stdout=subprocess.PIPE, text=True)
-             for _ in range(processes)]
+WAITS = {"default": {}, "OMP_WAIT_POLICY=PASSIVE": {"OMP_WAIT_POLICY": "PASSIVE"},
+         "GOMP_SPINCOUNT=1000": {"GOMP_SPINCOUNT": "1000"}}
+
+
+def run(threads: int, processes: int, wait: dict) -> list[float]:
+    env = {**{k: v for k, v in os.environ.items() if k not in ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT")}, **wait}
+    procs = [subprocess.Popen([sys.executable, __file__, "--one", str(threads)], stdout=subprocess.PIPE, text=True,
+                              env=env) for _ in range(processes)]
     return [float(p.communicate()[0].strip()) for p in procs]
 
 
@@ -53,12 +62,13 @@ def main() -> int:
     from bench_common import machine
 
     print(f"Machine: {machine()}\n")
-    print("| setup | s per step, each process | steps/s, all processes |")
-    print("|---|---|---:|")
+    print("| setup | waiting threads | s per step, each process | steps/s, all processes |")
+    print("|---|---|---|---:|")
     for threads, processes in ((2, 1), (2, 2), (1, 2)):
-        times = run(threads, processes)
-        print(f"| {processes} process(es) x {threads} thread(s) | {', '.join(f'{t:.2f}' for t in times)} | "
-              f"{sum(1 / t for t in times):.2f} |", flush=True)
+        for name, wait in WAITS.items():
+            times = run(threads, processes, wait)
+            print(f"| {processes} process(es) x {threads} thread(s) | {name} | "
+                  f"{', '.join(f'{t:.2f}' for t in times)} | {sum(1 / t for t in times):.2f} |", flush=True)
     return 0
 
 

@@ -3,6 +3,12 @@ import sys
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+# Two xdist workers share the cores, and each torch process (a pipeline, a Ray worker, a service: all inherit
+# this) runs as many OpenMP threads as there are cores. By default an OpenMP thread that waits spins, taking a
+# core from the other worker's process: two 2-thread trainers on 2 cores did 0.20 steps/s together, against
+# 0.49 with waiting threads that sleep, and 0.41-0.44 for one alone (M3, bench/oversubscription.py,
+# docs/benchmarks.md). Set before anything loads torch's OpenMP runtime, which reads it once.
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 # The tests make their own stores; a developer's MLflow URIs must not reach them.
 URI_ENV = ("MLFLOW_TRACKING_URI", "MLFLOW_REGISTRY_URI")
 for _name in URI_ENV:
