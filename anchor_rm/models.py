@@ -11,11 +11,12 @@ import importlib.util
 import os
 from dataclasses import dataclass
 from pathlib import Path
-
 from typing import TYPE_CHECKING
 
-if TYPE_CHECKING:  # torch and transformers load in the loaders below: resolving a name, or a registry
-    from transformers import PreTrainedModel  # client that only reads model folders, does not pay ~8 s for them
+# torch and transformers are imported inside the loaders below, so that resolving a name, or a registry client
+# that only reads model folders (promote.py), does not spend about 8 s importing them.
+if TYPE_CHECKING:
+    from transformers import PreTrainedModel
 
 # Saved beside the weights of every model we save: how the scorer encodes (max length, kind).
 SCORER_CONFIG = "anchor_rm.json"

@@ -93,3 +93,14 @@ def test_only_the_mlflow_edge_imports_mlflow():
             if re.search(r"^\s*(import mlflow|from mlflow[ .])", path.read_text(), flags=re.M):
                 importers.append(str(path.relative_to(ROOT)))
     assert importers == [], f"mlflow imported outside anchor_rm/mlflow_edge/: {importers}"
+
+
+@pytest.mark.timeout(120)
+def test_promotion_and_the_registry_load_without_torch_or_transformers():
+    """promote.py (and any registry client) reads reports and moves aliases: importing torch and transformers
+    for that cost about 10 s per command (docs/benchmarks.md, Test suite, session 10)."""
+    check = ("import sys, anchor_rm.promotion, anchor_rm.mlflow_edge.registry; "
+             "print(sorted(m for m in ('torch', 'transformers') if m in sys.modules))")
+    done = subprocess.run([sys.executable, "-c", check], cwd=ROOT, capture_output=True, text=True, timeout=100)
+    assert done.returncode == 0, done.stderr[-4000:]
+    assert done.stdout.strip() == "[]", done.stdout

@@ -23,6 +23,7 @@ from mlflow.types import ColSpec, Schema
 from anchor_rm.mlflow_edge import store
 from anchor_rm.mlflow_edge.keys import REPORT_ARTIFACT, REWARD_MODEL_ARTIFACT
 from anchor_rm.models import SCORER_CONFIG, ModelError
+
 MODEL_FORMS = "models:/NAME@ALIAS, models:/NAME/VERSION, runs:/RUN_ID/PATH or a local model folder"
 
 SIGNATURE = ModelSignature(
