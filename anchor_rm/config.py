@@ -83,7 +83,8 @@ def _protocol(category: str) -> ProtocolConfig:
 
 
 def _smoke(category: str) -> ProtocolConfig:
-    """About half a minute on 2 cores: tiny splits, short sequences, one epoch. For tests, not for figures."""
+    """About a minute on 2 cores (README, Precision and speed): tiny splits, 64-token sequences, one epoch. For
+    tests, not for figures: the test suite runs it many times (docs/benchmarks.md, Test suite)."""
     cfg = ProtocolConfig(
         category=category,
         teacher="minilm-l6-first1",
