@@ -27,12 +27,16 @@ def cpu_jiffies() -> tuple[int, int]:
 
 
 def main() -> int:
-    if "--" not in sys.argv:
-        print(__doc__)
+    command = sys.argv[sys.argv.index("--") + 1:] if "--" in sys.argv else []
+    if not command:
+        print(f"cpu_busy.py: no command to run; give one after --\n{__doc__}", file=sys.stderr)
         return 2
-    command = sys.argv[sys.argv.index("--") + 1:]
     samples = [(time.time(), *cpu_jiffies())]
-    proc = subprocess.Popen(command)
+    try:
+        proc = subprocess.Popen(command)
+    except OSError as exc:
+        print(f"cpu_busy.py: cannot run {command[0]!r}: {exc.strerror}", file=sys.stderr)
+        return 2
     while proc.poll() is None:
         time.sleep(INTERVAL_S)
         samples.append((time.time(), *cpu_jiffies()))
