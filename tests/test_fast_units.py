@@ -5,6 +5,7 @@ writer's buffering, and removal of a version left half-written."""
 from __future__ import annotations
 
 import math
+import tempfile
 
 import mlflow
 import pytest
@@ -82,10 +83,13 @@ def test_connecting_to_another_store_moves_the_registry_with_it(tmp_path, monkey
     assert (mlflow.get_tracking_uri(), mlflow.get_registry_uri()) == (first, users)
 
 
-def test_a_stage_runs_once_per_input_digest_and_is_read_back_after(sqlite_experiment):
+def test_a_stage_runs_once_per_input_digest_and_is_read_back_after(sqlite_experiment, tmp_path, monkeypatch):
     from anchor_rm.mlflow_edge.keys import cache_key
     from anchor_rm.mlflow_edge.runs import stage_run
 
+    scratch = tmp_path / "tmp"
+    scratch.mkdir()
+    monkeypatch.setattr(tempfile, "tempdir", str(scratch))  # reading a stage back leaves nothing there
     calls = []
 
     def compute():
@@ -102,6 +106,7 @@ def test_a_stage_runs_once_per_input_digest_and_is_read_back_after(sqlite_experi
     assert again.run_id == first.run_id and again.outputs == {"scores": [1, 2, 3]}
     assert MlflowClient().get_run(first.run_id).data.params["train.lr"] == "0.0001"
     assert cache_key("v1", {"a": 1, "b": 2}) == cache_key("v1", {"b": 2, "a": 1})  # order does not matter
+    assert list(scratch.iterdir()) == []
 
 
 def test_a_stage_that_failed_is_not_reused(sqlite_experiment):

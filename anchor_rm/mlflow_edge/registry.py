@@ -130,11 +130,12 @@ def version_report(name: str, version: str) -> EvaluationReport | None:
     mv = store.client().get_model_version(name, version)
     if not mv.run_id:
         return None
-    try:
-        path = mlflow.artifacts.download_artifacts(run_id=mv.run_id, artifact_path=keys.REPORT_JSON)
-    except Exception:  # no such artifact: MLflow raises different types per store
-        return None
-    return read_report(path)
+    with tempfile.TemporaryDirectory() as tmp:  # without dst_path MLflow leaves a new folder in /tmp
+        try:
+            path = mlflow.artifacts.download_artifacts(run_id=mv.run_id, artifact_path=keys.REPORT_JSON, dst_path=tmp)
+        except Exception:  # no such artifact: MLflow raises different types per store
+            return None
+        return read_report(path)
 
 
 def download_version_report(name: str, version: str, into: Path) -> Path | None:

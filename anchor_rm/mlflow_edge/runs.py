@@ -42,8 +42,9 @@ def stage_run(
     if not force:
         run_id = find_run(experiment_id, {keys.STAGE_TAG: stage, keys.CACHE_KEY_TAG: key}, finished_only=True)
         if run_id is not None:
-            path = mlflow.artifacts.download_artifacts(run_id=run_id, artifact_path=keys.OUTPUTS_FILE)
-            return StageRun(run_id, json.loads(Path(path).read_text()), reused=True)
+            with tempfile.TemporaryDirectory() as tmp:  # without dst_path MLflow leaves a new folder in /tmp
+                path = mlflow.artifacts.download_artifacts(run_id=run_id, artifact_path=keys.OUTPUTS_FILE, dst_path=tmp)
+                return StageRun(run_id, json.loads(Path(path).read_text()), reused=True)
     with mlflow.start_run(run_name=stage, nested=mlflow.active_run() is not None) as run:
         mlflow.set_tags({keys.STAGE_TAG: stage, keys.CACHE_KEY_TAG: key, **(tags or {})})
         if params:
