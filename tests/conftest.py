@@ -1,5 +1,8 @@
+import atexit
 import os
+import shutil
 import sys
+import tempfile
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
@@ -9,6 +12,16 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 # 0.49 with waiting threads that sleep, and 0.41-0.44 for one alone (M3, bench/oversubscription.py,
 # docs/benchmarks.md). Set before anything loads torch's OpenMP runtime, which reads it once.
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+# Every process the tests start writes its temporary files into one folder, removed when the first pytest
+# process (xdist's controller, or the only one with -n 0) ends: a pipeline that a test SIGKILLs cannot remove
+# its own (each killed tune run left 0.3-0.8 GB in /tmp, about 1 GB per suite run).
+# That first process keeps the system's folder for itself (pytest's tmp_path lives there); Ray keeps /tmp/ray
+# (its socket paths must stay under 108 bytes).
+if "ANCHOR_RM_TEST_SCRATCH" not in os.environ:
+    tempfile.tempdir = tempfile.gettempdir()
+    os.environ.setdefault("RAY_TMPDIR", tempfile.tempdir)
+    os.environ["ANCHOR_RM_TEST_SCRATCH"] = os.environ["TMPDIR"] = tempfile.mkdtemp(prefix="anchor-rm-tests-")
+    atexit.register(shutil.rmtree, os.environ["ANCHOR_RM_TEST_SCRATCH"], ignore_errors=True)
 # The tests make their own stores; a developer's MLflow URIs must not reach them.
 URI_ENV = ("MLFLOW_TRACKING_URI", "MLFLOW_REGISTRY_URI")
 for _name in URI_ENV:
