@@ -126,10 +126,12 @@ def metric_steps(client, run_id: str, key: str) -> Counter:
 
 @contextmanager
 def ray_head(workdir: Path, num_cpus: int = 2):
-    """A real `ray start --head` on 127.0.0.1; yields its address and stops it afterwards."""
+    """A real `ray start --head` on 127.0.0.1; yields its address and stops it afterwards. When the block
+    raises (a failing assertion, a timeout), the node's logs are kept in workdir/ray-head-logs."""
     port = free_port()
     with _ray_node(["--head", "--port", str(port), "--dashboard-port", str(free_port()),
-                    "--ray-client-server-port", str(free_port())], num_cpus, {}, "head"):
+                    "--ray-client-server-port", str(free_port())], num_cpus, {}, "head",
+                   logs_to=workdir / "ray-head-logs"):
         yield f"127.0.0.1:{port}"
 
 
@@ -145,7 +147,7 @@ def ray_worker_node(address: str, num_cpus: int = 1, env: dict | None = None):
 
 
 @contextmanager
-def _ray_node(role_args: list[str], num_cpus: int, env: dict, role: str):
+def _ray_node(role_args: list[str], num_cpus: int, env: dict, role: str, logs_to: Path | None = None):
     # Each node has its own short temporary folder (Ray's socket paths must stay under 108 bytes), its own
     # ports and its own session: `ray start` runs in a new process group, which every process of the node
     # (raylet, agents, workers) keeps, so that stopping one node, or one cluster, leaves the others alone
@@ -164,9 +166,41 @@ def _ray_node(role_args: list[str], num_cpus: int, env: dict, role: str):
         if starter.returncode != 0:
             raise RuntimeError(f"ray start ({role}) failed: {stderr[-2000:]}")
         yield starter.pid
+    except BaseException:
+        if logs_to is not None:  # the node's folder goes below; what it logged is what explains a failure
+            logs = Path(temp_dir) / "session_latest" / "logs"
+            try:
+                shutil.copytree(logs, logs_to, symlinks=True, ignore_dangling_symlinks=True, dirs_exist_ok=True)
+            except OSError:  # no session yet, or a file gone while copying: the test's own error matters more
+                pass
+        raise
     finally:
         kill_ray_node(starter.pid)
         shutil.rmtree(temp_dir, ignore_errors=True)
+
+
+def ray_list(address: str, what: str) -> list[dict]:
+    """Ray's state API (`ray list <what>`): for nodes, every node the cluster has known, alive or dead."""
+    import json
+
+    listed = subprocess.run([str(Path(PYTHON).parent / "ray"), "list", what, "--format", "json", "--detail"],
+                            env={**os.environ, "RAY_ADDRESS": address, "RAY_AUTH_MODE": "token"},  # the API server: from GCS
+                            capture_output=True, text=True, timeout=120)
+    assert listed.returncode == 0, listed.stderr[-2000:]
+    return [] if listed.stdout.startswith("No resource") else json.loads(listed.stdout)  # "No resource in the cluster"
+
+
+def cluster_state(address: str) -> str:
+    """What a stuck run is waiting for: the placement groups and the live actors, one line each."""
+    lines = []
+    for what, keys in (("placement-groups", ("placement_group_id", "state", "bundles")),
+                       ("actors", ("class_name", "state", "node_id", "required_resources"))):
+        try:
+            lines += [f"{what}: " + " ".join(str(item.get(k)) for k in keys) for item in ray_list(address, what)
+                      if item.get("state") != "DEAD"]
+        except Exception as exc:  # the report of a failure must not fail
+            lines.append(f"{what}: unavailable ({exc})")
+    return "\n".join(lines)
 
 
 def kill_ray_node(group: int) -> None:

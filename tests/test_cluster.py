@@ -7,7 +7,6 @@ head node, and the search registers one version.
 
 from __future__ import annotations
 
-import json
 import os
 import re
 import subprocess
@@ -17,8 +16,8 @@ from pathlib import Path
 import pytest
 from mlflow.tracking import MlflowClient
 
-from helpers import (PYTHON, free_port, kill_ray_node, metric_steps, ray_head, ray_worker_node, start_mlflow_server,
-                     stop_process_group)
+from helpers import (PYTHON, cluster_state, free_port, kill_ray_node, metric_steps, ray_head, ray_list,
+                     ray_worker_node, start_mlflow_server, stop_process_group)
 from tuning.trainable import STEP_HOOK_ENV
 
 NAME = "anchor-rm-helpful"
@@ -26,28 +25,6 @@ HOLD_STEP = 8  # smoke: 6 steps per epoch; step 8 is mid-way through epoch 1, af
 
 
 TIMEOUT_S = 2400  # a hang guard: 456 s alone, up to 1,360 s beside the rest of the suite (M3)
-
-
-def _ray_list(address: str, what: str) -> list[dict]:
-    """Ray's state API (`ray list <what>`): for nodes, every node the cluster has known, alive or dead."""
-    listed = subprocess.run([str(Path(PYTHON).parent / "ray"), "list", what, "--format", "json", "--detail"],
-                            env={**os.environ, "RAY_ADDRESS": address, "RAY_AUTH_MODE": "token"},  # the API server: from GCS
-                            capture_output=True, text=True, timeout=120)
-    assert listed.returncode == 0, listed.stderr[-2000:]
-    return json.loads(listed.stdout)
-
-
-def _cluster_state(address: str) -> str:
-    """What a stuck run is waiting for: the placement groups and the live actors, one line each."""
-    lines = []
-    for what, keys in (("placement-groups", ("placement_group_id", "state", "bundles")),
-                       ("actors", ("class_name", "state", "node_id", "required_resources"))):
-        try:
-            lines += [f"{what}: " + " ".join(str(item.get(k)) for k in keys) for item in _ray_list(address, what)
-                      if item.get("state") != "DEAD"]
-        except Exception as exc:  # the report of a failure must not fail
-            lines.append(f"{what}: unavailable ({exc})")
-    return "\n".join(lines)
 
 
 @pytest.mark.slow
@@ -84,7 +61,7 @@ def test_two_nodes_run_trials_on_both_and_a_killed_node_hands_its_trial_to_the_o
                 try:  # what is left of the test's time but two minutes, to report what the run waits for
                     returncode = driver.wait(timeout=max(60, started + TIMEOUT_S - 120 - time.time()))
                 except subprocess.TimeoutExpired:
-                    pytest.fail("tune.py did not finish after the node was killed:\n" + _cluster_state(address)
+                    pytest.fail("tune.py did not finish after the node was killed:\n" + cluster_state(address)
                                 + "\n" + log_path.read_text()[-4000:])
             finally:
                 if driver.poll() is None:
@@ -92,8 +69,8 @@ def test_two_nodes_run_trials_on_both_and_a_killed_node_hands_its_trial_to_the_o
             out = log_path.read_text()
             assert returncode == 0, out[-5000:]
             assert f"registered: models:/{NAME}/1 (alias challenger)" in out, out[-3000:]
-            nodes = {n["node_id"]: n for n in _ray_list(address, "nodes")}
-            actors = _ray_list(address, "actors")
+            nodes = {n["node_id"]: n for n in ray_list(address, "nodes")}
+            actors = ray_list(address, "actors")
 
         head = [i for i, n in nodes.items() if n["is_head_node"]]
         worker = [i for i, n in nodes.items() if not n["is_head_node"]]

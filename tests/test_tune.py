@@ -30,8 +30,8 @@ import pandas as pd
 import pytest
 from mlflow.tracking import MlflowClient
 
-from helpers import (PYTHON, ROOT, free_port, metric_steps, ray_head, run_pipeline, start_mlflow_server,
-                     stop_process_group)
+from helpers import (PYTHON, ROOT, cluster_state, free_port, metric_steps, ray_head, run_pipeline,
+                     start_mlflow_server, stop_process_group)
 from tuning.trainable import STEP_HOOK_ENV
 
 NAME = "anchor-rm-helpful"
@@ -145,7 +145,11 @@ def test_tune_through_a_killed_worker_a_killed_driver_an_outage_and_a_failing_tr
                 time.sleep(OUTAGE_S)
                 before_restart = resumed_path.read_text()
                 server = start_mlflow_server(tmp_path, port)  # back, same port, same store
-                returncode = driver.wait(timeout=1200)
+                try:
+                    returncode = driver.wait(timeout=1200)
+                except subprocess.TimeoutExpired:  # what the run waits for; Ray's logs stay in tmp_path/ray-head-logs
+                    pytest.fail("tune.py --resume did not finish:\n" + cluster_state(address) + "\n"
+                                + resumed_path.read_text()[-4000:])
             finally:
                 if driver.poll() is None:
                     driver.kill()
