@@ -47,9 +47,9 @@ def start_mlflow_server(workdir: Path, port: int) -> subprocess.Popen:
         [str(Path(PYTHON).parent / "mlflow"), "server", "--host", "127.0.0.1", "--port", str(port),
          "--backend-store-uri", f"sqlite:///{workdir / 'server.db'}",
          "--artifacts-destination", str(workdir / "server-artifacts"), "--workers", "1"],
-        # Without MLflow's job execution (GenAI scoring and trace jobs, which anchor-rm does not use): it starts
-        # eight more processes per server (33 s of CPU in their first 40 s on M3) and leaves a folder in /dev/shm
-        # when killed.
+        # Without MLflow's job execution (GenAI scoring and trace jobs, which anchor-rm does not use): its eight
+        # processes took 66 s of CPU in 90 s of an idle server on M3 (docs/scaling.md), and a killed server
+        # leaves their folder in /dev/shm.
         env={**os.environ, "MLFLOW_SERVER_ENABLE_JOB_EXECUTION": "false"},
         stdout=log, stderr=subprocess.STDOUT, cwd=workdir, start_new_session=True,
     )
