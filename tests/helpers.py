@@ -132,9 +132,15 @@ def metric_steps(client, run_id: str, key: str) -> Counter:
 def ray_head(workdir: Path, num_cpus: int = 2):
     """A real `ray start --head` on 127.0.0.1; yields its address and stops it afterwards. When the block
     raises (a failing assertion, a timeout), the node's logs are kept in workdir/ray-head-logs."""
-    port = free_port()
-    with _ray_node(["--head", "--port", str(port), "--dashboard-port", str(free_port()),
-                    "--ray-client-server-port", str(free_port())], num_cpus, {}, "head",
+    port, dashboard_port = free_port(), free_port()
+    # Ray Train's PlacementGroupCleaner (on the head) asks Ray's state API whether the trial's controller is
+    # alive; with no address it looks for the machine's Ray instance, and with two clusters running (the other
+    # xdist worker's) its monitor thread dies on "Found multiple active Ray instances": a finished trial's
+    # placement group then stays, and the next trial waits forever for its CPUs (two CI runs, session 11). The
+    # head's processes are told their own API server.
+    own_api = {"RAY_API_SERVER_ADDRESS": f"http://127.0.0.1:{dashboard_port}"}
+    with _ray_node(["--head", "--port", str(port), "--dashboard-port", str(dashboard_port),
+                    "--ray-client-server-port", str(free_port())], num_cpus, own_api, "head",
                    logs_to=workdir / "ray-head-logs"):
         yield f"127.0.0.1:{port}"
 
