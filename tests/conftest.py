@@ -71,7 +71,7 @@ def tiny_bert(minilm_tokenizer):
 
 
 # The longest modules first (measured, docs/benchmarks.md "Test suite"): with two xdist workers taking one
-# module at a time in this order, the tune test (19-25 minutes beside the rest on 2 AVX2-only cores) and
+# module at a time in this order, the tune test (14.5-25 minutes beside the rest on 2 AVX2-only cores) and
 # the cluster test start at once and the rest share what is left, instead of a long test starting last and
 # running alone.
 LONGEST_FIRST = ("test_tune.py", "test_cluster.py", "test_pipeline_train.py", "test_study.py")
