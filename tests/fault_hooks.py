@@ -72,3 +72,19 @@ def hold_on_the_worker_node_at(step: int, rank: int, argument: str) -> None:
         f.write(ray.train.get_context().get_experiment_name())
     os.replace(marker + ".tmp", marker)
     time.sleep(900)  # the node is killed under this worker
+
+
+def hold_for_outage_at(step: int, rank: int, argument: str) -> None:
+    """argument "<step>:<marker file>": the rank-0 worker, when it finishes that training step the first time,
+    creates the marker file and waits (up to 5 minutes) for "<marker>.down", which the test creates once it
+    has stopped the tracking server; training then goes on with the server gone."""
+    at, marker = argument.split(":", 1)
+    if rank != 0 or step != int(at):
+        return
+    try:
+        os.close(os.open(marker, os.O_CREAT | os.O_EXCL | os.O_WRONLY))  # once: not again after a restart
+    except FileExistsError:
+        return
+    deadline = time.monotonic() + 300
+    while not os.path.exists(marker + ".down") and time.monotonic() < deadline:
+        time.sleep(0.2)

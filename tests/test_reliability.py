@@ -11,8 +11,10 @@ inside a real tune run are in tests/test_tune.py (one tune run carries them all)
 
 from __future__ import annotations
 
+import json
 import logging
 import os
+import re
 import signal
 import subprocess
 import threading
@@ -29,8 +31,9 @@ from anchor_rm.mlflow_edge import registry
 from anchor_rm.mlflow_edge.store import configure
 from anchor_rm.mlflow_edge.writer import OUTAGE_ENV, BufferedRunWriter, TrackingUnavailable, outage_seconds_from_env
 from anchor_rm.report import SplitResult, build_report
-from helpers import (PYTHON, ROOT, free_port, run_pipeline, start_mlflow_server, stop_process_group,
+from helpers import (PYTHON, ROOT, free_port, ray_head, run_pipeline, start_mlflow_server, stop_process_group,
                      tiny_model_folder)
+from tuning.trainable import STEP_HOOK_ENV
 
 NAME = "anchor-rm-helpful"
 
@@ -120,6 +123,61 @@ def test_tracking_outage_longer_than_allowed_fails_loudly_and_keeps_the_values(t
     message = str(err.value)
     assert uri in message and run_id in message and "1 metric values" in message and "not delivered" in message
     assert len(logger.pending) == 1
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(900)
+def test_a_trial_whose_tracking_server_stays_down_past_the_limit_fails_naming_it_then_delivers_every_value_once(
+        tmp_path, monkeypatch, minilm_tokenizer):
+    """The give-up path end to end, in a real Ray Train run of one trial (tests/one_train_run.py: the trainer a
+    Tune trial fits, its worker a Ray process): the tracking server stops during epoch 0 and stays down past
+    the limit (OUTAGE_ENV = 3 s). Training goes on to its end; then the run fails with TrackingUnavailable
+    naming the server, the limit, the run and how many values were not delivered, and its checkpoint holds
+    them. Fitted again once the server is back (as Ray Train or `tune.py --resume` restarts a trial), the run
+    delivers the value of every step, once."""
+    port, server, client, run_id = _server_with_a_run(tmp_path, monkeypatch)
+    uri = client.tracking_uri
+    marker, spec = tmp_path / "hold", tmp_path / "spec.json"
+    spec.write_text(json.dumps({"student": str(tiny_model_folder(tmp_path / "student", minilm_tokenizer)),
+                                "tracking_uri": uri, "run_id": run_id, "storage_path": str(tmp_path / "ray")}))
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", OUTAGE_ENV: "3",
+           STEP_HOOK_ENV: f"{Path(__file__).parent / 'fault_hooks.py'}:hold_for_outage_at:1:{marker}"}
+    script = [PYTHON, str(Path(__file__).parent / "one_train_run.py")]
+    try:
+        with ray_head(tmp_path) as address:
+            log_path = tmp_path / "first.log"
+            with open(log_path, "w") as log:
+                first = subprocess.Popen([*script, address, str(spec)], cwd=tmp_path, env=env, stdout=log,
+                                         stderr=subprocess.STDOUT)
+            try:
+                deadline = time.monotonic() + 300
+                while not marker.exists():  # the worker holds after step 1 until the server is gone
+                    assert first.poll() is None and time.monotonic() < deadline, log_path.read_text()[-4000:]
+                    time.sleep(0.5)
+                stop_process_group(server)
+                (tmp_path / "hold.down").touch()
+                assert first.wait(timeout=300) == 3, log_path.read_text()[-4000:]
+            finally:
+                if first.poll() is None:
+                    first.kill()
+            failed = log_path.read_text()
+            given_up = re.search(rf"MLflow tracking server {re.escape(uri)} unreachable for over \d+ s \(limit 3 s, "
+                                 rf"{OUTAGE_ENV}\): (\d+) metric values of run {run_id} not delivered", failed)
+            assert given_up and int(given_up.group(1)) > 0, failed[-4000:]
+            kept = [json.loads(p.read_text()) for p in (tmp_path / "ray").rglob("pending_metrics.json")]
+            assert kept and all(k["run_id"] == run_id and k["metrics"] for k in kept), kept
+
+            server = start_mlflow_server(tmp_path, port)  # back: same port, same store
+            again = subprocess.run([*script, address, str(spec)], cwd=tmp_path, env=env, capture_output=True,
+                                   text=True, timeout=600)
+            assert again.returncode == 0, again.stderr[-4000:]
+        steps = 4 * 2  # tests/one_train_run.py: 4 steps per epoch, 2 epochs
+        assert _steps(client, run_id, "train/loss") == Counter(range(steps)), _steps(client, run_id, "train/loss")
+        assert _steps(client, run_id, "val/mean_nts") == Counter(range(2))
+        print(f"gave up after the outage with {given_up.group(1)} values undelivered; the checkpoint kept "
+              f"{max(len(k['metrics']) for k in kept)}; after the restart every step's train/loss arrived once")
+    finally:
+        stop_process_group(server)
 
 
 def test_a_flush_during_an_outage_holds_training_for_seconds_not_minutes(monkeypatch):

@@ -122,7 +122,6 @@ def train_loop_per_worker(config: dict) -> None:
     writer = BufferedRunWriter(payload.tracking_uri, run_id, active=True) if rank == 0 else None
     if writer is not None:
         writer.restore(undelivered)  # what the checkpoint's writer had not sent (the server was unreachable)
-    if writer is not None:
         runs.set_run_tag(payload.tracking_uri, run_id, f"{keys.RAY_NODE_TAG_PREFIX}{start_epoch}",
                          ray.get_runtime_context().get_node_id())
         runs.set_run_tag(payload.tracking_uri, run_id, keys.PROCESS_GROUP_TAG,  # gloo on CPU, nccl on GPU
@@ -164,21 +163,14 @@ def train_loop_per_worker(config: dict) -> None:
         writer.deliver()
 
 
-def trial_driver(config: dict, payload: SharedPayload) -> None:
-    """The Tune function of one trial: open (or find again) its MLflow child run, then build and fit a
-    TorchTrainer whose workers run `train_loop_per_worker`."""
+def train_run(config: dict, payload: SharedPayload, run_id: str, name: str, callbacks: list | None = None):
+    """The Ray Train run of one trial: a TorchTrainer whose workers run `train_loop_per_worker` with the
+    trial's `config`, writing to MLflow run `run_id`. Its checkpoints live under the experiment's storage
+    as `name`: fitting a run of the same name again continues from its last checkpoint."""
     import ray.train
-    import ray.tune
     from ray.train.torch import TorchTrainer
-    from ray.tune.integration.ray_train import TuneReportCallback
 
-    from tuning.callbacks import child_run_for_trial
-
-    context = ray.tune.get_context()
-    trial_id, trial_name = context.get_trial_id(), context.get_trial_name()
-    train_cfg = _train_config(payload, config)
-    run_id = child_run_for_trial(payload, trial_id, trial_name, train_cfg)
-    trainer = TorchTrainer(
+    return TorchTrainer(
         train_loop_per_worker,
         train_loop_config={**config, "payload": payload, "mlflow_run_id": run_id},
         scaling_config=ray.train.ScalingConfig(
@@ -186,15 +178,28 @@ def trial_driver(config: dict, payload: SharedPayload) -> None:
             resources_per_worker={"CPU": payload.cpus_per_worker, **({"GPU": 1} if payload.use_gpu else {})},
         ),
         run_config=ray.train.RunConfig(
-            # Named after the trial: a resumed Tune experiment restarts this Train run from its checkpoint.
-            name=f"train-{trial_id}",
+            name=name,
             storage_path=str(Path(payload.storage_path) / "train"),
             failure_config=ray.train.FailureConfig(max_failures=payload.max_failures),
             checkpoint_config=ray.train.CheckpointConfig(num_to_keep=1),
-            callbacks=[TuneReportCallback()],
+            callbacks=callbacks or [],
         ),
     )
-    trainer.fit()
+
+
+def trial_driver(config: dict, payload: SharedPayload) -> None:
+    """The Tune function of one trial: open (or find again) its MLflow child run, then fit the trial's Train
+    run (`train_run`), which reports each epoch to Tune."""
+    import ray.tune
+    from ray.tune.integration.ray_train import TuneReportCallback
+
+    from tuning.callbacks import child_run_for_trial
+
+    context = ray.tune.get_context()
+    trial_id, trial_name = context.get_trial_id(), context.get_trial_name()
+    run_id = child_run_for_trial(payload, trial_id, trial_name, _train_config(payload, config))
+    # Named after the trial: a resumed Tune experiment restarts this Train run from its checkpoint.
+    train_run(config, payload, run_id, f"train-{trial_id}", callbacks=[TuneReportCallback()]).fit()
 
 
 # The Tune function only builds and watches the TorchTrainer, on the head node: there Ray Train keeps its own
