@@ -103,3 +103,33 @@ def test_two_nodes_run_trials_on_both_and_a_killed_node_hands_its_trial_to_the_o
         assert re.search(r"trial \w+ epoch 1:", out)
     finally:
         stop_process_group(server)
+
+
+# What a task of a local cluster runs: Ray's State API with no address, as Ray Train's placement-group cleaner
+# calls it (ray.util.state.get_actor -> the API server found from the environment).
+STATE_PROBE = """
+import ray
+from tuning.search import init_ray
+init_ray(None, num_cpus=1)
+
+@ray.remote(num_cpus=0)
+def nodes():
+    from ray.util.state import list_nodes
+    return len(list_nodes())
+
+print("nodes:", ray.get(nodes.remote()))
+"""
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+def test_a_local_cluster_beside_another_ray_instance_finds_its_own_state_api(tmp_path):
+    """tune.py's own local cluster (tuning.search.init_ray without an address) while another Ray instance runs
+    on the machine (a `ray start` head here; a second local tune.py for a user): its processes reach their own
+    State API. Without being told it (RAY_API_SERVER_ADDRESS), a task there fails on "Found multiple active Ray
+    instances", which is how Ray Train's placement-group cleaner died and left a finished trial's CPUs held."""
+    with ray_head(tmp_path, num_cpus=1):
+        env = {k: v for k, v in os.environ.items() if k not in ("RAY_ADDRESS", "RAY_API_SERVER_ADDRESS")}
+        probe = subprocess.run([PYTHON, "-c", STATE_PROBE], cwd=tmp_path, env=env, capture_output=True, text=True,
+                               timeout=300)
+    assert probe.returncode == 0 and "nodes: 1" in probe.stdout, (probe.stdout + probe.stderr)[-4000:]

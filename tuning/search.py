@@ -12,6 +12,7 @@ results of each one that did, without redoing a finished trial.
 from __future__ import annotations
 
 import logging
+import os
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -120,8 +121,6 @@ WORKER_ENV_VARS = ("HF_HUB_OFFLINE", "TOKENIZERS_PARALLELISM", "TRANSFORMERS_VER
 def init_ray(address: str | None, num_cpus: int | None = None) -> None:
     if ray.is_initialized():
         return
-    import os
-
     env_vars = {k: os.environ[k] for k in WORKER_ENV_VARS if k in os.environ}
     # Starting a worker imports torch and transformers: on a busy 2-core machine that alone can pass
     # Ray Train's default 60 s limit on worker-group startup.
@@ -133,5 +132,20 @@ def init_ray(address: str | None, num_cpus: int | None = None) -> None:
         ray.init(address=address, log_to_driver=False, runtime_env=runtime_env)
     else:
         # The dashboard serves Ray's State API, which Ray Train's placement-group cleaner needs: without
-        # it, a trial stopped by ASHA leaks its workers' CPUs and the next trial never starts.
-        ray.init(num_cpus=num_cpus, log_to_driver=False, runtime_env=runtime_env)
+        # it, a trial stopped by ASHA leaks its workers' CPUs and the next trial never starts. The cleaner asks
+        # that API without an address: with another Ray instance on this machine (a second local tune.py, a
+        # `ray start`) it finds two, its thread dies on "Found multiple active Ray instances", and the same leak
+        # follows (seen in the test suite, session 11). So the new cluster's processes, which inherit this
+        # environment, are told their own API server.
+        dashboard_port = _free_port()
+        os.environ["RAY_API_SERVER_ADDRESS"] = f"http://127.0.0.1:{dashboard_port}"
+        ray.init(num_cpus=num_cpus, log_to_driver=False, runtime_env=runtime_env, include_dashboard=True,
+                 dashboard_host="127.0.0.1", dashboard_port=dashboard_port)
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
