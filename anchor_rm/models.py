@@ -153,6 +153,28 @@ def load_reward_model(source: ModelSource, *, dropout: float | None = 0.0) -> Pr
     return model
 
 
+def freeze_lower_layers(model: PreTrainedModel, k: int) -> None:
+    """Keeps the embeddings and the first `k` transformer layers of `model` at their current weights: no
+    gradient is computed for them (the backward pass stops above layer k) and an optimiser built afterwards
+    from the parameters that require grad holds no state for them. Their forward pass still runs every step
+    (their outputs are not cached). BERT-family encoders (`embeddings`, `encoder.layer`) and Llama-style
+    decoders (`embed_tokens`, `layers`)."""
+    base = model.base_model
+    embeddings = getattr(base, "embeddings", None) or getattr(base, "embed_tokens", None)
+    layers = getattr(getattr(base, "encoder", None), "layer", None)
+    if layers is None:
+        layers = getattr(base, "layers", None)
+    if embeddings is None or layers is None:
+        raise ModelError(f"frozen_layers: cannot find the embeddings and the layers of {type(model).__name__}")
+    if not 0 <= k < len(layers):
+        raise ValueError(f"frozen_layers must be in 0..{len(layers) - 1} for a model of {len(layers)} layers, got {k}")
+    if k == 0:
+        return
+    embeddings.requires_grad_(False)
+    for layer in layers[:k]:
+        layer.requires_grad_(False)
+
+
 def is_decoder(model: PreTrainedModel) -> bool:
     return not getattr(model.config, "is_encoder_decoder", False) and model.config.model_type not in ENCODER_TYPES
 

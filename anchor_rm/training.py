@@ -28,6 +28,7 @@ from anchor_rm.losses import (
     resolve_anchor_layers,
     soft_bradley_terry_loss,
 )
+from anchor_rm.models import freeze_lower_layers
 from anchor_rm.precision import autocast, check_precision
 from anchor_rm.reference_cache import ReferenceStates, encoded_digest
 from anchor_rm.scoring import EncodedPairs, fp32_reward_head, reward_forward
@@ -55,6 +56,10 @@ class TrainConfig:
     # auto | fp32 | bf16: bf16 autocast only where the hardware computes bf16 natively and faster
     # (anchor_rm/precision.py); the pipelines store the resolved value here.
     precision: str = "auto"
+    # The embeddings and the lowest k transformer layers keep their pretrained weights (models.freeze_lower_layers):
+    # no backward pass through them and no optimiser state, a CPU lever (docs/benchmarks.md, Freezing the lower
+    # layers). Every anchored layer must lie above them. 0: full fine-tuning.
+    frozen_layers: int = 0
 
     def __post_init__(self):
         if self.method not in METHODS:
@@ -66,6 +71,8 @@ class TrainConfig:
         for name in ("epochs", "batch_size", "max_length"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if self.frozen_layers < 0:
+            raise ValueError(f"frozen_layers must be >= 0, got {self.frozen_layers}")
         if self.learning_rate <= 0:
             raise ValueError(f"learning_rate must be > 0, got {self.learning_rate}")
         check_precision(self.precision, "precision")
@@ -170,6 +177,10 @@ def train_reward_model(
         device = next(core.parameters()).device
         model = torch.nn.parallel.DistributedDataParallel(model, device_ids=[device.index] if device.type == "cuda" else None)
     layers = resolve_anchor_layers(config.anchor_layers, core.config.num_hidden_layers) if config.uses_anchor else []
+    if layers and config.frozen_layers >= min(layers):
+        raise ValueError(f"frozen_layers {config.frozen_layers} would freeze anchored layer {min(layers)} "
+                         f"(anchor_layers {config.anchor_layers!r} -> {layers}): freeze fewer layers")
+    freeze_lower_layers(core, config.frozen_layers)
     if isinstance(reference, ReferenceStates):
         if reference.digest != encoded_digest(train):
             raise ValueError("the reference cache was computed on other token sequences than these training pairs")
@@ -181,9 +192,10 @@ def train_reward_model(
     steps_per_epoch = len(epoch_batches(lengths, config.batch_size, config.seed, 0, config.length_grouped))
     total_steps = steps_per_epoch * config.epochs
     no_decay = ("bias", "LayerNorm.weight", "layer_norm.weight", "norm.weight")
+    trainable = [(n, p) for n, p in core.named_parameters() if p.requires_grad]
     groups = [
-        {"params": [p for n, p in core.named_parameters() if not n.endswith(no_decay)], "weight_decay": config.weight_decay},
-        {"params": [p for n, p in core.named_parameters() if n.endswith(no_decay)], "weight_decay": 0.0},
+        {"params": [p for n, p in trainable if not n.endswith(no_decay)], "weight_decay": config.weight_decay},
+        {"params": [p for n, p in trainable if n.endswith(no_decay)], "weight_decay": 0.0},
     ]
     # The fused kernel updates each parameter in one pass instead of several: 0.15 s -> 0.03 s per optimiser
     # step for MiniLM-L6 on 2 CPU cores (half its 22.7M parameters are word embeddings with dense gradients);

@@ -9,6 +9,10 @@ Variants, each trained from the same pretrained weights on the same pairs and ba
     anchor-last-disk      the same states in a memory-mapped file per layer (the disk cache: DiskReferenceStates)
     anchor-middle-cached  the RAM cache at the middle layers (50% and 75% of depth)
     anchor-last-uncached  the reference's forward pass in every training step (live: no cache)
+    naive-frozen2         naive, with the embeddings and the lowest 2 layers frozen (TrainConfig.frozen_layers,
+                          `--frozen-layers 2`: no backward pass through them, no optimiser state for them)
+    anchor-middle-frozen2 anchor-middle-cached with the same 2 layers frozen (the middle layers, 3 and 5 of
+                          MiniLM-L6's 6, stay trainable)
 
 Each (variant, repeat) runs in a fresh Python process, so its peak RSS is its own; the variants are
 interleaved within each repeat (the order rotates) so that a change in machine load hits all of them. An
@@ -18,6 +22,8 @@ taken within a repeat (variant epoch / naive epoch of the same repeat), then the
     .venv/bin/python bench/anchor_cost.py                          # MiniLM-L6, 128 pairs, 3 epochs, 2 repeats
     .venv/bin/python bench/anchor_cost.py --pairs 32 --epochs 2 --repeats 1 --max-length 64   # a quick check
     .venv/bin/python bench/anchor_cost.py --model smollm2-135m --device cuda
+    .venv/bin/python bench/anchor_cost.py --variants naive,naive-frozen2,anchor-middle-cached,anchor-middle-frozen2 \
+        --pairs 64 --epochs 2 --max-length 128 --repeats 3     # what freezing saves (docs/benchmarks.md)
 
 Prints a Markdown table for docs/benchmarks.md; --out also writes every measurement as JSON.
 """
@@ -35,13 +41,15 @@ from pathlib import Path
 
 from bench_common import Disturbance, machine, markdown_table, median, peak_rss_mb, positive_int, source_splits
 
-# variant -> (method, layer choice, where the reference's states live: ram, disk, or live)
+# variant -> (method, layer choice, where the reference's states live: ram, disk, or live; frozen lower layers)
 VARIANTS = {
-    "naive": ("naive", None, None),
-    "anchor-last-cached": ("anchor", "last", "ram"),
-    "anchor-last-disk": ("anchor", "last", "disk"),
-    "anchor-middle-cached": ("anchor", "middle", "ram"),
-    "anchor-last-uncached": ("anchor", "last", "live"),
+    "naive": ("naive", None, None, 0),
+    "anchor-last-cached": ("anchor", "last", "ram", 0),
+    "anchor-last-disk": ("anchor", "last", "disk", 0),
+    "anchor-middle-cached": ("anchor", "middle", "ram", 0),
+    "anchor-last-uncached": ("anchor", "last", "live", 0),
+    "naive-frozen2": ("naive", None, None, 2),
+    "anchor-middle-frozen2": ("anchor", "middle", "ram", 2),
 }
 DEFAULT_VARIANTS = ("naive", "anchor-last-cached", "anchor-middle-cached", "anchor-last-uncached")
 
@@ -92,7 +100,7 @@ def run_one(args: argparse.Namespace, variant: str) -> dict:
     from anchor_rm.training import TrainConfig, train_reward_model
     from anchor_rm.workflow import frozen_reference, load_pretrained
 
-    method, layer_choice, cache = VARIANTS[variant]
+    method, layer_choice, cache, frozen_layers = VARIANTS[variant]
     device = torch.device(args.device)
     splits = source_splits(args.source, args.seed, {"student_train": args.pairs})
     rm = load_pretrained(args.model, args.max_length, args.seed)
@@ -102,7 +110,8 @@ def run_one(args: argparse.Namespace, variant: str) -> dict:
     targets = np.random.default_rng(args.seed).uniform(0.3, 0.9, len(encoded)).tolist()
     config = TrainConfig(method=method, anchor_lambda=args.anchor_lambda if method == "anchor" else 0.0,
                          anchor_layers=layer_choice or "last", epochs=args.epochs, batch_size=args.batch_size,
-                         learning_rate=1e-4, max_length=args.max_length, seed=args.seed, precision=args.precision)
+                         learning_rate=1e-4, max_length=args.max_length, seed=args.seed, precision=args.precision,
+                         frozen_layers=frozen_layers)
     gc.collect()
     if device.type == "cuda":
         torch.cuda.synchronize()

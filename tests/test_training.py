@@ -126,3 +126,44 @@ def test_a_cache_of_other_pairs_is_refused(tiny_bert, minilm_tokenizer):
     with pytest.raises(ValueError, match="other token sequences"):
         train_reward_model(tiny_bert(0), encoded, [0.9] * len(encoded), TrainConfig(method="anchor", precision="fp32"),
                            reference=states, pad_token_id=minilm_tokenizer.pad_token_id)
+
+
+def test_frozen_layers_keep_their_weights_and_hold_no_optimiser_state(tiny_bert, minilm_tokenizer):
+    before = tiny_bert(0).state_dict()
+    config = TrainConfig(method="naive", epochs=1, batch_size=8, learning_rate=1e-3, precision="fp32", frozen_layers=1)
+    model, _, _, _, result = _train(tiny_bert, minilm_tokenizer, config, targets=[0.9] * 48)
+    after = model.state_dict()
+    frozen = [k for k in after if k.startswith(("bert.embeddings.", "bert.encoder.layer.0."))]
+    trained = [k for k in after if k not in frozen and "position_ids" not in k and "token_type_ids" not in k]
+    assert frozen and all(torch.equal(before[k], after[k]) for k in frozen)
+    assert any(k.startswith("bert.encoder.layer.1.") for k in trained)
+    # every trainable weight moved (a key bias gets no gradient: softmax ignores a shift shared by all keys)
+    assert all(not torch.equal(before[k], after[k]) for k in trained
+               if k.startswith(("bert.encoder.layer.1.", "classifier.")) and k.endswith(".weight"))
+    trainable = sum(1 for p in model.parameters() if p.requires_grad)
+    assert len(result.optimizer_state["optimizer"]["state"]) == trainable < len(list(model.parameters()))
+
+
+def test_frozen_layers_may_not_reach_an_anchored_layer_nor_the_whole_model(tiny_bert, minilm_tokenizer):
+    reference = tiny_bert(0).eval()
+    config = TrainConfig(method="anchor", anchor_lambda=0.1, anchor_layers="1", epochs=1, batch_size=8, frozen_layers=1)
+    with pytest.raises(ValueError, match=r"frozen_layers 1 would freeze anchored layer 1 \(anchor_layers '1' -> \[1\]\)"):
+        _train(tiny_bert, minilm_tokenizer, config, targets=[0.9] * 48, reference=reference)
+    with pytest.raises(ValueError, match="frozen_layers must be in 0..1 for a model of 2 layers, got 2"):
+        _train(tiny_bert, minilm_tokenizer, TrainConfig(method="naive", epochs=1, frozen_layers=2), targets=[0.9] * 48)
+    with pytest.raises(ValueError, match="frozen_layers must be >= 0, got -1"):
+        TrainConfig(frozen_layers=-1)
+
+
+def test_a_decoder_freezes_its_token_embeddings_and_lowest_layers():
+    from transformers import LlamaConfig, LlamaForSequenceClassification
+
+    from anchor_rm.models import freeze_lower_layers
+
+    model = LlamaForSequenceClassification(LlamaConfig(vocab_size=64, hidden_size=16, intermediate_size=32,
+                                                       num_hidden_layers=3, num_attention_heads=2, num_labels=1,
+                                                       pad_token_id=0))
+    freeze_lower_layers(model, 2)
+    assert not model.model.embed_tokens.weight.requires_grad
+    assert [all(not p.requires_grad for p in layer.parameters()) for layer in model.model.layers] == [True, True, False]
+    assert model.score.weight.requires_grad and model.model.norm.weight.requires_grad
