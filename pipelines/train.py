@@ -40,7 +40,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--learning-rate", type=float)
     p.add_argument("--max-length", type=int, help="tokens per (prompt, response); the prompt is cut from the left")
     p.add_argument("--frozen-layers", type=int, metavar="K",
-                   help="freeze the embeddings and the lowest K transformer layers of the student and the ceiling (no gradient, no optimiser state; their forward pass still runs): about 0.8x the epoch time for K=2 of MiniLM-L6 on an AVX2 CPU (docs/benchmarks.md); every anchored layer must lie above K (default 0: full fine-tuning)")
+                   help="freeze the embeddings and the lowest K transformer layers of the student and the ceiling "
+                        "(no gradient, no optimiser state; their forward pass still runs): about 0.8x the epoch "
+                        "time for K=2 of MiniLM-L6 on an AVX2 CPU (docs/benchmarks.md); every anchored layer must "
+                        "lie above K (default 0: full fine-tuning)")
     p.add_argument("--seed", type=int)
     add_precision_argument(p)
     p.add_argument("--min-gap", type=float, metavar="POINTS",

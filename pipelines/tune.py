@@ -34,7 +34,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--workers-per-trial", type=int, default=1, help="Ray Train workers (DDP processes) per trial")
     p.add_argument("--epochs", type=int, help="epochs per trial (ASHA may stop a trial after any epoch)")
     p.add_argument("--frozen-layers", type=int, metavar="K",
-                   help="freeze the embeddings and the lowest K transformer layers of the student and the ceiling (no gradient, no optimiser state; their forward pass still runs): about 0.8x the epoch time for K=2 of MiniLM-L6 on an AVX2 CPU (docs/benchmarks.md); every anchored layer must lie above K (default 0: full fine-tuning)")
+                   help="freeze the embeddings and the lowest K transformer layers of the student and the ceiling "
+                        "(no gradient, no optimiser state; their forward pass still runs): about 0.8x the epoch "
+                        "time for K=2 of MiniLM-L6 on an AVX2 CPU (docs/benchmarks.md); every anchored layer must "
+                        "lie above K (default 0: full fine-tuning)")
     p.add_argument("--max-failures", type=int, default=2, metavar="N",
                    help="times Ray Train restarts a trial's workers from its last checkpoint after a worker fails "
                         "(default 2); Tune then retries the whole trial once more")
