@@ -27,8 +27,8 @@ from _common import (add_precision_argument, apply_shared_flags, byte_size, clea
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = protocol_parser(__doc__, "default: the embedded default (15 min on 2 cores with native bf16, about 55 "
-                                 "estimated on an AVX2-only one: README, Precision and speed); smoke: tiny, a few minutes")
+    p = protocol_parser(__doc__, "default: the embedded default (15 min on 2 cores with native bf16, 66 on an "
+                                 "AVX2-only one: README, Precision and speed); smoke: tiny, a few minutes")
     p.add_argument("--num-samples", type=int, help="ANCHOR configurations Optuna tries (default: preset's)")
     p.add_argument("--concurrency", type=int, default=1, help="trials running at once (default 1)")
     p.add_argument("--workers-per-trial", type=int, default=1, help="Ray Train workers (DDP processes) per trial")
