@@ -56,6 +56,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="largest RAM cache for auto, e.g. 2GB (default: a quarter of this machine's memory)")
     p.add_argument("--use-gpu", choices=["auto", "yes", "no"], default="auto", help="auto: when the Ray cluster has GPUs")
     p.add_argument("--ray-address", help="an existing Ray cluster (default: start a local one)")
+    p.add_argument("--num-cpus", type=int, metavar="N",
+                   help="CPUs of the local Ray cluster (default: all of this machine's); trials' workers are sized "
+                        "on it. Not with --ray-address")
     p.add_argument("--tracking-uri", help="MLflow tracking URI (default: $MLFLOW_TRACKING_URI, else sqlite:///mlflow.db here)")
     p.add_argument("--registered-name", help="registered model name (default: anchor-rm-<category>)")
     p.add_argument("--storage-path", default="ray_results",
@@ -103,7 +106,7 @@ def main(argv=None) -> int:
             concurrency=args.concurrency, workers_per_trial=args.workers_per_trial, max_failures=args.max_failures,
             reference_cache=args.reference_cache, reference_cache_budget=args.reference_cache_budget,
             use_gpu=args.use_gpu,
-            ray_address=args.ray_address, seed=args.seed)
+            ray_address=args.ray_address, num_cpus=args.num_cpus, seed=args.seed)
         result = run_main_job(cfg, settings)
         if result.final is None:
             print(f"registered model version: {result.already_registered}")

@@ -2,11 +2,14 @@
 with `ray start --address` (1 CPU, its own temporary folder), a real `mlflow server`, `tune.py --ray-address`
 with two trials at a time and storage both nodes share. Mid-way through a trial on the second node, that
 whole node is killed (its raylet, agents and workers); the trial goes on from its last checkpoint on the
-head node, and the search registers one version.
+head node, and the search registers one version. Then the same run on one node (a local cluster of the same
+two CPUs): its registered version holds the same weights, byte for byte, and the same report.
 """
 
 from __future__ import annotations
 
+import hashlib
+import json
 import os
 import re
 import subprocess
@@ -17,14 +20,34 @@ import pytest
 from mlflow.tracking import MlflowClient
 
 from helpers import (PYTHON, cluster_state, free_port, kill_ray_node, metric_steps, ray_head, ray_list,
-                     ray_worker_node, start_mlflow_server, stop_process_group)
+                     ray_worker_node, run_pipeline, start_mlflow_server, stop_process_group)
 from tuning.trainable import STEP_HOOK_ENV
 
 NAME = "anchor-rm-helpful"
+ONE_NODE_NAME = "anchor-rm-helpful-one-node"
 HOLD_STEP = 8  # smoke: 6 steps per epoch; step 8 is mid-way through epoch 1, after epoch 0's checkpoint
 
 
 TIMEOUT_S = 2400  # a hang guard: 456 s alone, up to 1,360 s beside the rest of the suite (M3)
+
+
+def registered_content(uri: str, name: str, into: Path) -> tuple[dict[str, str], dict]:
+    """Version 1 of `name`: each file of its reward model (path -> sha256) and its report, less what names the
+    run (the run id, the time it was written)."""
+    import mlflow
+
+    from anchor_rm.mlflow_edge.model_package import find_report, reward_model_folder
+
+    mlflow.set_tracking_uri(uri)
+    mlflow.set_registry_uri(uri)
+    local = Path(mlflow.artifacts.download_artifacts(artifact_uri=f"models:/{name}/1", dst_path=str(into)))
+    folder = reward_model_folder(local)
+    files = {str(p.relative_to(folder)): hashlib.sha256(p.read_bytes()).hexdigest()
+             for p in sorted(folder.rglob("*")) if p.is_file()}
+    report = json.loads(find_report(folder).read_text())
+    report.pop("created_at")
+    report["model"].pop("run_id")
+    return files, report
 
 
 @pytest.mark.slow
@@ -101,6 +124,24 @@ def test_two_nodes_run_trials_on_both_and_a_killed_node_hands_its_trial_to_the_o
         assert sorted(steps) == list(range(12)), steps
         assert [str(v.version) for v in client.search_model_versions(f"name = '{NAME}'")] == ["1"]
         assert re.search(r"trial \w+ epoch 1:", out)
+
+        # The same run of the same seed on one node, the two nodes gone: a local cluster of their two CPUs, so
+        # that every trial's worker again has one CPU and one torch thread (a matrix product's rounding can
+        # change with the thread count). The data, teacher and ceiling stages are reused from the server.
+        one_node_started = time.time()
+        one_node = run_pipeline("tune.py", "--preset", "smoke", "--num-samples", "1", "--concurrency", "2",
+                                "--max-failures", "1", "--num-cpus", "2", "--tracking-uri", uri,
+                                "--storage-path", str(tmp_path / "one-node"), "--name", "one-node",
+                                "--registered-name", ONE_NODE_NAME, cwd=tmp_path,
+                                timeout=max(60, int(started + TIMEOUT_S - 60 - time.time())))
+        assert one_node.returncode == 0, one_node.stdout[-3000:] + one_node.stderr[-3000:]
+        two_files, two_report = registered_content(uri, NAME, tmp_path / "two-node-version")
+        one_files, one_report = registered_content(uri, ONE_NODE_NAME, tmp_path / "one-node-version")
+        print(f"one-node run {time.time() - one_node_started:.0f} s; files of the reward model compared: "
+              f"{sorted(one_files)}")
+        assert "model.safetensors" in one_files
+        assert one_files == two_files
+        assert one_report == two_report
     finally:
         stop_process_group(server)
 

@@ -215,10 +215,18 @@ def test_a_version_that_fails_after_it_exists_is_removed(sqlite_experiment, tmp_
 
 @pytest.mark.parametrize("field, value, flag", [("num_samples", 0, "--num-samples"), ("concurrency", 0, "--concurrency"),
                                                ("workers_per_trial", -1, "--workers-per-trial"),
-                                               ("max_failures", -1, "--max-failures")])
+                                               ("max_failures", -1, "--max-failures"), ("num_cpus", 0, "--num-cpus")])
 def test_main_job_settings_refuse_counts_that_cannot_run_naming_the_flag(field, value, flag):
     from tuning.main_job import MainJobSettings
 
     with pytest.raises(ValueError, match=f"{flag} must be at least"):
         MainJobSettings(**{field: value})
     assert MainJobSettings(max_failures=0, num_samples=None).max_failures == 0
+
+
+def test_main_job_settings_refuse_num_cpus_for_an_existing_cluster():
+    from tuning.main_job import MainJobSettings
+
+    with pytest.raises(ValueError, match="--num-cpus sizes the local Ray cluster; with --ray-address"):
+        MainJobSettings(num_cpus=2, ray_address="127.0.0.1:6379")
+    assert MainJobSettings(num_cpus=2).num_cpus == 2

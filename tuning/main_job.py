@@ -40,6 +40,7 @@ class MainJobSettings:
     reference_cache_budget: int | None = None  # bytes; default a quarter of physical memory
     use_gpu: str = "auto"
     ray_address: str | None = None
+    num_cpus: int | None = None  # the local cluster's CPUs (default: all of this machine's); not with ray_address
     seed: int = 0
 
     def __post_init__(self):
@@ -49,6 +50,12 @@ class MainJobSettings:
                                    ("--max-failures", self.max_failures, 0)):
             if value is not None and value < least:
                 raise ValueError(f"{flag} must be at least {least}, not {value}")
+        if self.num_cpus is not None:
+            if self.ray_address:
+                raise ValueError("--num-cpus sizes the local Ray cluster; with --ray-address the cluster's nodes "
+                                 "decide (drop one of the two)")
+            if self.num_cpus < 1:
+                raise ValueError(f"--num-cpus must be at least 1, not {self.num_cpus}")
 
 
 @dataclass
@@ -123,7 +130,7 @@ def run_main_job(cfg: ProtocolConfig, settings: MainJobSettings) -> MainJobResul
         if existing:  # a finished experiment: --resume restores nothing, trains nothing, registers nothing
             log.info("this experiment already registered %s; nothing more to do", existing)
             return MainJobResult(name, None, existing, {"shared": shared_seconds})
-        init_ray(settings.ray_address)
+        init_ray(settings.ray_address, settings.num_cpus)
         payload = make_payload(cfg, shared, tracking_uri=settings.tracking_uri, experiment_id=experiment_id,
                                parent_run_id=parent_id, storage_path=str(storage / name),
                                workers_per_trial=settings.workers_per_trial, concurrency=settings.concurrency,
