@@ -1,6 +1,7 @@
 """Named datasets: the copies the project ships (see shipped_data/PROVENANCE.md) and their hub originals.
 
-`load_dataset_pairs` is the one entry point: a catalog name, a file path, or a hub name in, pairs out.
+`iter_dataset_pairs` is the one entry point: a catalog name, a file path, or a hub name in, pairs out, one at a
+time (`load_dataset_pairs`: the same as a list).
 """
 
 from __future__ import annotations
@@ -11,11 +12,11 @@ import os
 import re
 from dataclasses import dataclass, field, replace
 from pathlib import Path
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any
 
-from anchor_rm.data import (DataError, PreferencePair, ReadStats, read_generic, read_hh_rlhf, read_hhh, read_hub,
-                            read_llmbar, read_pandalm, read_pku_saferlhf, read_ultrafeedback)
+from anchor_rm.data import (DataError, PreferencePair, ReadStats, iter_generic, iter_hh_rlhf, iter_hhh, iter_hub,
+                            iter_llmbar, iter_pandalm, iter_pku_saferlhf, iter_ultrafeedback)
 
 DATA_DIR_ENV = "ANCHOR_RM_DATA_DIR"
 
@@ -24,7 +25,7 @@ DATA_DIR_ENV = "ANCHOR_RM_DATA_DIR"
 class DatasetSpec:
     name: str
     category: str  # "helpful" | "harmless": which source it is an OOD target for
-    reader: Callable[..., list[PreferencePair]]
+    reader: Callable[..., Iterator[PreferencePair]]  # data.iter_<format>
     path: str  # relative to shipped_data_dir(); a file, or a folder the reader walks
     hub_name: str | None  # the original on the Hugging Face hub, None where no hub copy is known
     license: str
@@ -43,12 +44,12 @@ _HH_SOURCE = "DaehanKim/EasyRLHF@45eccb72:data/{}/test.jsonl.gz (same bytes as a
 
 
 def _hh(name: str, folder: str, category: str) -> DatasetSpec:
-    return DatasetSpec(name, category, read_hh_rlhf, f"hh-rlhf/{folder}/test.jsonl.gz", "Anthropic/hh-rlhf", "MIT",
+    return DatasetSpec(name, category, iter_hh_rlhf, f"hh-rlhf/{folder}/test.jsonl.gz", "Anthropic/hh-rlhf", "MIT",
                        _HH_SOURCE.format(folder), hub_kwargs={"data_dir": folder})
 
 
 def _hhh(source: str) -> DatasetSpec:
-    return DatasetSpec(f"hhh-{source}", source, read_hhh, "hhh-alignment/hhh_alignment_eval.json",
+    return DatasetSpec(f"hhh-{source}", source, iter_hhh, "hhh-alignment/hhh_alignment_eval.json",
                        "HuggingFaceH4/hhh_alignment", "Apache-2.0",
                        "prometheus-eval/prometheus-eval@dcfb4427:eval/benchmark/data/hhh_alignment_eval.json",
                        hub_kwargs={"name": source}, reader_kwargs={"sources": (source,)})
@@ -59,17 +60,17 @@ DATASETS: dict[str, DatasetSpec] = {spec.name: spec for spec in [
     _hh("hh-helpful-online", "helpful-online", "helpful"),
     _hh("hh-helpful-rejection-sampled", "helpful-rejection-sampled", "helpful"),
     _hh("hh-harmless-base", "harmless-base", "harmless"),
-    DatasetSpec("ultrafeedback", "helpful", read_ultrafeedback, "ultrafeedback-binarized-1200",
+    DatasetSpec("ultrafeedback", "helpful", iter_ultrafeedback, "ultrafeedback-binarized-1200",
                 "trl-lib/ultrafeedback_binarized", "MIT",
                 "kkminions888-ops/ultrafeedback-dpo-noise-study@859ef0a8:data/processed/ (1,200 rows of "
                 "trl-lib/ultrafeedback_binarized; train_clean and eval_clean read as one set)"),
-    DatasetSpec("pku-saferlhf", "harmless", read_pku_saferlhf, "pku-saferlhf-dpo5k/pku_seferlhf_realign_dpo_5k.json",
+    DatasetSpec("pku-saferlhf", "harmless", iter_pku_saferlhf, "pku-saferlhf-dpo5k/pku_seferlhf_realign_dpo_5k.json",
                 "PKU-Alignment/PKU-SafeRLHF", "CC-BY-NC-4.0 (research use only)",
                 "xinykou/safety_realignment@5a805935:llama_factory/data/pku_seferlhf_realign_dpo_5k.json "
                 "(pairs with exactly one safe response; chosen = the safe one)"),
-    DatasetSpec("pandalm", "helpful", read_pandalm, "pandalm/testset-v1.json", None, "Apache-2.0",
+    DatasetSpec("pandalm", "helpful", iter_pandalm, "pandalm/testset-v1.json", None, "Apache-2.0",
                 "WeOpenML/PandaLM@3871806e:data/testset-v1.json"),
-    DatasetSpec("llmbar", "helpful", read_llmbar, "llmbar/Dataset/LLMBar", None, "MIT",
+    DatasetSpec("llmbar", "helpful", iter_llmbar, "llmbar/Dataset/LLMBar", None, "MIT",
                 "princeton-nlp/LLMBar@900616bf:Dataset/LLMBar (Natural + 4 Adversarial subsets)"),
     _hhh("harmless"),
     _hhh("helpful"),
@@ -94,31 +95,38 @@ def shipped_data_dir() -> Path:
     return Path(override) if override else Path(__file__).resolve().parent / "shipped_data"
 
 
-def load_dataset_pairs(name_or_path: str | Path, *, from_hub: bool = False, prompt_column: str = "prompt",
+def load_dataset_pairs(name_or_path: str | Path, **kwargs: Any) -> list[PreferencePair]:
+    """iter_dataset_pairs's pairs as a list."""
+    return list(iter_dataset_pairs(name_or_path, **kwargs))
+
+
+def iter_dataset_pairs(name_or_path: str | Path, *, from_hub: bool = False, prompt_column: str = "prompt",
                        chosen_column: str = "chosen", rejected_column: str = "rejected", split: str = "train",
-                       skip_invalid: bool = False, stats: ReadStats | None = None) -> list[PreferencePair]:
+                       skip_invalid: bool = False, stats: ReadStats | None = None) -> Iterator[PreferencePair]:
     """Pairs of a catalog name (its shipped copy, or its hub original with from_hub=True), of a file
-    (see `read_generic` for formats; the columns apply), or of a hub name "org/name" (with `split`)."""
+    (see `data.iter_generic` for formats; the columns apply), or of a hub name "org/name" (with `split`),
+    one at a time: a source need not fit in memory."""
     name = str(name_or_path)
     spec = DATASETS.get(name)
     if spec is not None and spec.parts:
-        return [replace(pair, dataset=name)
-                for part in spec.parts
-                for pair in load_dataset_pairs(part, from_hub=from_hub, skip_invalid=skip_invalid, stats=stats)]
-    if spec is not None and from_hub:
+        for part in spec.parts:
+            for pair in iter_dataset_pairs(part, from_hub=from_hub, skip_invalid=skip_invalid, stats=stats):
+                yield replace(pair, dataset=name)
+    elif spec is not None and from_hub:
         if spec.hub_name is None:
             raise DataError(f"dataset {name!r}: no hub original is known; its shipped copy is {spec.path}")
-        return read_hub(spec.hub_name, name, spec.reader, spec.hub_split, load_kwargs=spec.hub_kwargs,
-                        skip_invalid=skip_invalid, stats=stats, **spec.reader_kwargs)
-    if spec is not None:
+        yield from iter_hub(spec.hub_name, name, spec.reader, spec.hub_split, load_kwargs=spec.hub_kwargs,
+                            skip_invalid=skip_invalid, stats=stats, **spec.reader_kwargs)
+    elif spec is not None:
         path = shipped_data_dir() / spec.path
-        return spec.reader(path, name, skip_invalid=skip_invalid, stats=stats, **spec.reader_kwargs)
-    path = Path(name).expanduser()
-    if path.exists() or _HUB_NAME.match(name):
-        return read_generic(path if path.exists() else name, name, prompt_column, chosen_column, rejected_column,
-                            split, skip_invalid=skip_invalid, stats=stats)
-    raise DataError(f"dataset {name!r}: not a known name ({', '.join(DATASETS)}), not an existing file, "
-                    f"and not a hub name of the form org/name")
+        yield from spec.reader(path, name, skip_invalid=skip_invalid, stats=stats, **spec.reader_kwargs)
+    else:
+        path = Path(name).expanduser()
+        if not (path.exists() or _HUB_NAME.match(name)):
+            raise DataError(f"dataset {name!r}: not a known name ({', '.join(DATASETS)}), not an existing file, "
+                            f"and not a hub name of the form org/name")
+        yield from iter_generic(path if path.exists() else name, name, prompt_column, chosen_column,
+                                rejected_column, split, skip_invalid=skip_invalid, stats=stats)
 
 
 def dataset_digest(pairs: Sequence[PreferencePair]) -> str:

@@ -95,20 +95,34 @@ def _iter_json_list(path: Path) -> Iterator[Record]:
 
 
 def _iter_table(path: Path) -> Iterator[Record]:
-    text = None if path.suffix == ".parquet" else _decode(path.read_bytes(), path)  # bad bytes: name the line
-    try:
-        if text is None:  # pyarrow, not pandas: chat columns must come back as lists, not numpy arrays
-            import pyarrow.parquet as pq
+    if path.suffix == ".parquet":
+        yield from _iter_parquet(path)
+        return
+    text = _decode(path.read_bytes(), path)  # bad bytes: name the line
+    try:  # keep_default_na=False: an empty cell is an empty string (cleaning counts it), not NaN
+        import pandas as pd
 
-            rows = pq.read_table(path).to_pylist()
-        else:  # keep_default_na=False: an empty cell is an empty string (cleaning counts it), not NaN
-            import pandas as pd
-
-            rows = pd.read_csv(io.StringIO(text), dtype=str, keep_default_na=False).to_dict("records")
-    except Exception as e:  # pandas/pyarrow raise many types for a corrupt file
+        rows = pd.read_csv(io.StringIO(text), dtype=str, keep_default_na=False).to_dict("records")
+    except Exception as e:  # pandas raises many types for a corrupt file
         raise DataError(f"{path}: cannot read table ({type(e).__name__}: {e})") from None
     for i, rec in enumerate(rows):
         yield f"{path}, row {i}", {"source_index": i}, rec
+
+
+def _iter_parquet(path: Path, batch_rows: int = 4096) -> Iterator[Record]:
+    """Row groups read a batch at a time. pyarrow, not pandas: chat columns must come back as lists, not numpy
+    arrays."""
+    import pyarrow.parquet as pq
+
+    i = 0
+    try:
+        batches = pq.ParquetFile(path).iter_batches(batch_size=batch_rows)
+        for batch in batches:
+            for rec in batch.to_pylist():
+                yield f"{path}, row {i}", {"source_index": i}, rec
+                i += 1
+    except Exception as e:  # pyarrow raises many types for a corrupt file
+        raise DataError(f"{path}: cannot read table ({type(e).__name__}: {e})") from None
 
 
 def _iter_hub(name: str, split: str, load_kwargs: Mapping[str, Any]) -> Iterator[Record]:
@@ -283,14 +297,17 @@ def hhh_pair(rec: Any, dataset: str, where: str, meta: dict,
 
 
 # --- readers ----------------------------------------------------------------------------------------------
+# Each format has a generator, iter_<format>, that parses one record at a time (JSONL and Parquet are read
+# as they stream; a JSON list or a CSV is parsed whole first), and read_<format>, the same pairs as a list.
+# A source too large to hold as a list goes through the generators (splits.build_protocol_splits).
 
 Parser = Callable[..., "PreferencePair | None"]
 
 
-def _collect(records: Iterable[Record], parse: Parser, dataset: str, source: str, *, skip_invalid: bool,
-             stats: ReadStats | None, **parse_kwargs: Any) -> list[PreferencePair]:
+def _parse_records(records: Iterable[Record], parse: Parser, dataset: str, source: str, *, skip_invalid: bool,
+                   stats: ReadStats | None, **parse_kwargs: Any) -> Iterator[PreferencePair]:
     stats = stats if stats is not None else ReadStats()
-    pairs, seen, skipped, first_error = [], 0, 0, ""
+    seen, skipped, first_error = 0, 0, ""
     for where, meta, rec in records:
         seen += 1
         try:
@@ -304,18 +321,17 @@ def _collect(records: Iterable[Record], parse: Parser, dataset: str, source: str
             skipped, first_error = skipped + 1, first_error or str(e)
             continue
         if pair is not None:
-            pairs.append(pair)
+            yield pair
     if seen == 0:
         raise DataError(f"{source}: no records (empty file or dataset)")
     if skipped == seen:
         raise DataError(f"{source}: every one of {seen} records is invalid; the first: {first_error}")
-    return pairs
 
 
-def _read_files(path: str | Path, dataset: str, parse: Parser, patterns: tuple[str, ...], *, skip_invalid: bool,
-                stats: ReadStats | None, **parse_kwargs: Any) -> list[PreferencePair]:
+def _iter_files(path: str | Path, dataset: str, parse: Parser, patterns: tuple[str, ...], *, skip_invalid: bool,
+                stats: ReadStats | None, **parse_kwargs: Any) -> Iterator[PreferencePair]:
     """A file, or every matching file under a folder, sorted so the order does not depend on the file system."""
-    root, pairs = Path(path), []
+    root = Path(path)
     files = sorted({p for pattern in patterns for p in root.rglob(pattern)}) if root.is_dir() else [root]
     if root.is_dir() and not files:
         raise DataError(f"{root}: folder holds no {' or '.join(patterns)} file")
@@ -328,54 +344,57 @@ def _read_files(path: str | Path, dataset: str, parse: Parser, patterns: tuple[s
             extra = {"subset": folder.as_posix() if folder.parts else file.name.split(".")[0],
                      "source_file": file.relative_to(root).as_posix()}
             records = ((w, {**m, **extra}, r) for w, m, r in records)
-        pairs += _collect(records, parse, dataset, str(file), skip_invalid=skip_invalid, stats=stats, **parse_kwargs)
-    return pairs
+        yield from _parse_records(records, parse, dataset, str(file), skip_invalid=skip_invalid, stats=stats,
+                                  **parse_kwargs)
 
 
-def read_hh_rlhf(path: str | Path, dataset: str, *, skip_invalid: bool = False,
-                 stats: ReadStats | None = None) -> list[PreferencePair]:
+def iter_hh_rlhf(path: str | Path, dataset: str, *, skip_invalid: bool = False,
+                 stats: ReadStats | None = None) -> Iterator[PreferencePair]:
     """Anthropic HH-RLHF transcripts (.jsonl or .jsonl.gz); the prompt keeps the whole multi-turn dialogue."""
-    return _read_files(path, dataset, hh_rlhf_pair, JSONL, skip_invalid=skip_invalid, stats=stats)
+    return _iter_files(path, dataset, hh_rlhf_pair, JSONL, skip_invalid=skip_invalid, stats=stats)
 
 
-def read_ultrafeedback(path: str | Path, dataset: str, *, skip_invalid: bool = False,
-                       stats: ReadStats | None = None) -> list[PreferencePair]:
+def iter_ultrafeedback(path: str | Path, dataset: str, *, skip_invalid: bool = False,
+                       stats: ReadStats | None = None) -> Iterator[PreferencePair]:
     """Binarized UltraFeedback JSONL (a file, or a folder of them); equal scores come back as ties."""
-    return _read_files(path, dataset, ultrafeedback_pair, JSONL, skip_invalid=skip_invalid, stats=stats)
+    return _iter_files(path, dataset, ultrafeedback_pair, JSONL, skip_invalid=skip_invalid, stats=stats)
 
 
-def read_pku_saferlhf(path: str | Path, dataset: str, *, skip_invalid: bool = False,
-                      stats: ReadStats | None = None) -> list[PreferencePair]:
+def iter_pku_saferlhf(path: str | Path, dataset: str, *, skip_invalid: bool = False,
+                      stats: ReadStats | None = None) -> Iterator[PreferencePair]:
     """JSON list of {"prompt", "response": [chosen (the safe one), rejected]}."""
-    return _read_files(path, dataset, pku_saferlhf_pair, ("*.json",), skip_invalid=skip_invalid, stats=stats)
+    return _iter_files(path, dataset, pku_saferlhf_pair, ("*.json",), skip_invalid=skip_invalid, stats=stats)
 
 
-def read_pandalm(path: str | Path, dataset: str, *, skip_invalid: bool = False,
-                 stats: ReadStats | None = None) -> list[PreferencePair]:
+def iter_pandalm(path: str | Path, dataset: str, *, skip_invalid: bool = False,
+                 stats: ReadStats | None = None) -> Iterator[PreferencePair]:
     """PandaLM test set: the majority of three annotators; tie majorities come back as metadata["tie"]."""
-    return _read_files(path, dataset, pandalm_pair, ("*.json",), skip_invalid=skip_invalid, stats=stats)
+    return _iter_files(path, dataset, pandalm_pair, ("*.json",), skip_invalid=skip_invalid, stats=stats)
 
 
-def read_llmbar(path: str | Path, dataset: str, *, skip_invalid: bool = False,
-                stats: ReadStats | None = None) -> list[PreferencePair]:
+def iter_llmbar(path: str | Path, dataset: str, *, skip_invalid: bool = False,
+                stats: ReadStats | None = None) -> Iterator[PreferencePair]:
     """One LLMBar dataset.json, or every dataset.json under a folder (metadata["subset"] = its sub-folder)."""
-    return _read_files(path, dataset, llmbar_pair, ("dataset.json",), skip_invalid=skip_invalid, stats=stats)
+    return _iter_files(path, dataset, llmbar_pair, ("dataset.json",), skip_invalid=skip_invalid, stats=stats)
 
 
-def read_hhh(path: str | Path, dataset: str, *, sources: Iterable[str] | None = None, skip_invalid: bool = False,
-             stats: ReadStats | None = None) -> list[PreferencePair]:
+def iter_hhh(path: str | Path, dataset: str, *, sources: Iterable[str] | None = None, skip_invalid: bool = False,
+             stats: ReadStats | None = None) -> Iterator[PreferencePair]:
     """HHH alignment wrapped in Prometheus judge prompts; `sources` keeps e.g. only ("harmless",)."""
     sources = None if sources is None else frozenset(sources)
-    pairs = _read_files(path, dataset, hhh_pair, ("*.json",), skip_invalid=skip_invalid, stats=stats, sources=sources)
-    if not pairs:
+    yielded = 0
+    for pair in _iter_files(path, dataset, hhh_pair, ("*.json",), skip_invalid=skip_invalid, stats=stats,
+                            sources=sources):
+        yielded += 1
+        yield pair
+    if not yielded:
         raise DataError(f"{path}: no record has a source in {sorted(sources or ())}")
-    return pairs
 
 
-def read_generic(path_or_hub_name: str | Path, dataset: str, prompt_column: str = "prompt",
+def iter_generic(path_or_hub_name: str | Path, dataset: str, prompt_column: str = "prompt",
                  chosen_column: str = "chosen", rejected_column: str = "rejected", split: str = "train", *,
                  skip_invalid: bool = False, stats: ReadStats | None = None,
-                 load_kwargs: Mapping[str, Any] | None = None) -> list[PreferencePair]:
+                 load_kwargs: Mapping[str, Any] | None = None) -> Iterator[PreferencePair]:
     """A .jsonl[.gz], .json (list), .parquet or .csv file; anything else goes to `datasets.load_dataset`
     (a hub name, or a local folder) with `split` and `load_kwargs`. Chosen/rejected may be chats (lists of
     messages); with no prompt column the prompt is the chosen chat's turns before its answer."""
@@ -389,18 +408,69 @@ def read_generic(path_or_hub_name: str | Path, dataset: str, prompt_column: str 
     else:
         source, records = f"hub dataset {name!r}", _iter_hub(name, split, load_kwargs or {})
     columns = dict(prompt_column=prompt_column, chosen_column=chosen_column, rejected_column=rejected_column)
-    return _collect(records, generic_pair, dataset, source, skip_invalid=skip_invalid, stats=stats, **columns)
+    yield from _parse_records(records, generic_pair, dataset, source, skip_invalid=skip_invalid, stats=stats,
+                              **columns)
 
 
-_HUB_PARSERS: dict[Callable, Parser] = {
-    read_hh_rlhf: hh_rlhf_pair, read_ultrafeedback: ultrafeedback_pair, read_pku_saferlhf: pku_saferlhf_pair,
-    read_pandalm: pandalm_pair, read_llmbar: llmbar_pair, read_hhh: hhh_pair, read_generic: generic_pair,
-}
-
-
-def read_hub(hub_name: str, dataset: str, reader: Callable, split: str, *,
+def iter_hub(hub_name: str, dataset: str, reader: Callable, split: str, *,
              load_kwargs: Mapping[str, Any] | None = None, skip_invalid: bool = False,
-             stats: ReadStats | None = None, **parse_kwargs: Any) -> list[PreferencePair]:
-    """A hub dataset whose rows are in the layout `reader` parses (e.g. Anthropic/hh-rlhf with read_hh_rlhf)."""
-    return _collect(_iter_hub(hub_name, split, load_kwargs or {}), _HUB_PARSERS[reader], dataset,
-                    f"hub dataset {hub_name!r}", skip_invalid=skip_invalid, stats=stats, **parse_kwargs)
+             stats: ReadStats | None = None, **parse_kwargs: Any) -> Iterator[PreferencePair]:
+    """A hub dataset whose rows are in the layout `reader` parses (e.g. Anthropic/hh-rlhf with iter_hh_rlhf
+    or read_hh_rlhf)."""
+    return _parse_records(_iter_hub(hub_name, split, load_kwargs or {}), _HUB_PARSERS[reader], dataset,
+                          f"hub dataset {hub_name!r}", skip_invalid=skip_invalid, stats=stats, **parse_kwargs)
+
+
+# The same pairs as lists.
+
+
+def read_hh_rlhf(path: str | Path, dataset: str, **kwargs: Any) -> list[PreferencePair]:
+    """iter_hh_rlhf's pairs as a list."""
+    return list(iter_hh_rlhf(path, dataset, **kwargs))
+
+
+def read_ultrafeedback(path: str | Path, dataset: str, **kwargs: Any) -> list[PreferencePair]:
+    """iter_ultrafeedback's pairs as a list."""
+    return list(iter_ultrafeedback(path, dataset, **kwargs))
+
+
+def read_pku_saferlhf(path: str | Path, dataset: str, **kwargs: Any) -> list[PreferencePair]:
+    """iter_pku_saferlhf's pairs as a list."""
+    return list(iter_pku_saferlhf(path, dataset, **kwargs))
+
+
+def read_pandalm(path: str | Path, dataset: str, **kwargs: Any) -> list[PreferencePair]:
+    """iter_pandalm's pairs as a list."""
+    return list(iter_pandalm(path, dataset, **kwargs))
+
+
+def read_llmbar(path: str | Path, dataset: str, **kwargs: Any) -> list[PreferencePair]:
+    """iter_llmbar's pairs as a list."""
+    return list(iter_llmbar(path, dataset, **kwargs))
+
+
+def read_hhh(path: str | Path, dataset: str, **kwargs: Any) -> list[PreferencePair]:
+    """iter_hhh's pairs as a list."""
+    return list(iter_hhh(path, dataset, **kwargs))
+
+
+def read_generic(path_or_hub_name: str | Path, dataset: str, *args: Any, **kwargs: Any) -> list[PreferencePair]:
+    """iter_generic's pairs as a list."""
+    return list(iter_generic(path_or_hub_name, dataset, *args, **kwargs))
+
+
+def read_hub(hub_name: str, dataset: str, reader: Callable, split: str, **kwargs: Any) -> list[PreferencePair]:
+    """iter_hub's pairs as a list."""
+    return list(iter_hub(hub_name, dataset, reader, split, **kwargs))
+
+
+# The row parser of each reader, for a hub dataset in the reader's layout.
+_HUB_PARSERS: dict[Callable, Parser] = {
+    reader: parse
+    for parse, readers in ((hh_rlhf_pair, (iter_hh_rlhf, read_hh_rlhf)),
+                           (ultrafeedback_pair, (iter_ultrafeedback, read_ultrafeedback)),
+                           (pku_saferlhf_pair, (iter_pku_saferlhf, read_pku_saferlhf)),
+                           (pandalm_pair, (iter_pandalm, read_pandalm)), (llmbar_pair, (iter_llmbar, read_llmbar)),
+                           (hhh_pair, (iter_hhh, read_hhh)), (generic_pair, (iter_generic, read_generic)))
+    for reader in readers
+}

@@ -14,6 +14,7 @@ import torch
 from anchor_rm.data import PreferencePair
 from anchor_rm.encoding import EncodedText, RewardEncoder, collate
 from anchor_rm.precision import autocast, check_precision
+from anchor_rm.progress import Progress
 
 
 @dataclass(frozen=True)
@@ -33,7 +34,9 @@ class EncodedPairs:
 def encode_pairs(encoder: RewardEncoder, pairs: Sequence[PreferencePair]) -> EncodedPairs:
     chosen, rejected, kept = [], [], []
     identical = truncated = 0
+    progress = Progress("tokenise", quiet_when_quick=True)  # a line every 10 s on a large set, else none
     for index, pair in enumerate(pairs):
+        progress.update()
         c = encoder.encode(pair.prompt, pair.chosen)
         r = encoder.encode(pair.prompt, pair.rejected)
         if c.input_ids == r.input_ids:
@@ -43,6 +46,7 @@ def encode_pairs(encoder: RewardEncoder, pairs: Sequence[PreferencePair]) -> Enc
         chosen.append(c)
         rejected.append(r)
         kept.append(index)
+    progress.close()
     return EncodedPairs(chosen, rejected, kept, identical, truncated)
 
 

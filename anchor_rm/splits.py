@@ -5,16 +5,24 @@ pair-level split would put the same prompt in training and test. For multi-turn 
 the first human turn, not the whole transcript: 289 of HH helpful-base's 2,348 pairs share their opening
 question with another pair whose later turns differ, and would otherwise straddle splits. Assignment hashes
 (seed, group) with sha256, so it is the same on every machine and Python run (Python's hash() is salted).
+
+`build_protocol_splits` reads each dataset twice as a stream (catalog.iter_dataset_pairs) and never holds a
+whole source: the first pass keeps, per pair, only digests of its texts and of its prompt group (cleaning,
+de-duplication and the split are decided on those); the second keeps the pairs each capped split selects.
+Memory grows with the number of pairs by about 0.3 kB each, not with their text (bench/large_source.py).
 """
 
 from __future__ import annotations
 
 import hashlib
+import heapq
+import json
 from dataclasses import asdict, dataclass, field
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 
-from anchor_rm.catalog import load_dataset_pairs
+from anchor_rm.catalog import iter_dataset_pairs
 from anchor_rm.data import DataError, PreferencePair
+from anchor_rm.progress import Progress
 
 SOURCE_FRACTIONS = (("teacher_train", 0.3), ("student_train", 0.4), ("id_val", 0.1), ("id_test", 0.2))
 
@@ -37,6 +45,45 @@ def _key(pair: PreferencePair) -> tuple[str, str, str]:
     return pair.prompt.strip(), pair.chosen.strip(), pair.rejected.strip()
 
 
+def _digest(*texts: str) -> bytes:
+    """16 bytes standing for the texts (JSON framing: no two different tuples give the same input)."""
+    return hashlib.blake2b(json.dumps(texts, ensure_ascii=False).encode("utf-8"), digest_size=16).digest()
+
+
+def _drop_reason(pair: PreferencePair) -> str | None:
+    """The CleanCounts field a pair that carries no usable preference is counted under; None when usable."""
+    prompt, chosen, rejected = _key(pair)
+    if pair.metadata.get("tie"):
+        return "ties"
+    if not (prompt and chosen and rejected):
+        return "empty"
+    if chosen == rejected:
+        return "identical"
+    return None
+
+
+def _pair_digests(pair: PreferencePair) -> tuple[bytes, bytes]:
+    """(the pair's digest, the digest of the same pair reversed)."""
+    prompt, chosen, rejected = _key(pair)
+    return _digest(prompt, chosen, rejected), _digest(prompt, rejected, chosen)
+
+
+def _dedupe(digests: Sequence[tuple[bytes, bytes]]) -> tuple[list[int], int, int]:
+    """(positions kept, conflicting, duplicates): a pair whose reverse also occurs is dropped (both ways), a
+    repeat after its first occurrence too."""
+    present = {forward for forward, _ in digests}
+    kept, seen, conflicting, duplicates = [], set(), 0, 0
+    for i, (forward, reverse) in enumerate(digests):
+        if reverse in present:
+            conflicting += 1
+        elif forward in seen:
+            duplicates += 1
+        else:
+            seen.add(forward)
+            kept.append(i)
+    return kept, conflicting, duplicates
+
+
 def clean_pairs(pairs: Sequence[PreferencePair], *, dedupe: bool = True) -> tuple[list[PreferencePair], CleanCounts]:
     """Drops pairs that carry no usable preference and counts each reason (first reason wins, in field order).
 
@@ -46,31 +93,16 @@ def clean_pairs(pairs: Sequence[PreferencePair], *, dedupe: bool = True) -> tupl
     counts = CleanCounts(total=len(pairs), kept=0, ties=0, empty=0, identical=0)
     candidates = []
     for pair in pairs:
-        prompt, chosen, rejected = _key(pair)
-        if pair.metadata.get("tie"):
-            counts.ties += 1
-        elif not (prompt and chosen and rejected):
-            counts.empty += 1
-        elif chosen == rejected:
-            counts.identical += 1
-        else:
+        reason = _drop_reason(pair)
+        if reason is None:
             candidates.append(pair)
-    if not dedupe:
-        counts.kept = len(candidates)
-        return candidates, counts
-    present = {_key(p) for p in candidates}
-    kept, seen = [], set()
-    for pair in candidates:
-        prompt, chosen, rejected = key = _key(pair)
-        if (prompt, rejected, chosen) in present:
-            counts.conflicting += 1
-        elif key in seen:
-            counts.duplicates += 1
         else:
-            seen.add(key)
-            kept.append(pair)
-    counts.kept = len(kept)
-    return kept, counts
+            setattr(counts, reason, getattr(counts, reason) + 1)
+    if dedupe:
+        kept, counts.conflicting, counts.duplicates = _dedupe([_pair_digests(p) for p in candidates])
+        candidates = [candidates[i] for i in kept]
+    counts.kept = len(candidates)
+    return candidates, counts
 
 
 HUMAN_TURN, ASSISTANT_TURN = "Human:", "\n\nAssistant:"
@@ -95,6 +127,30 @@ def _check_fractions(fractions: Mapping[str, float]) -> None:
                          f"(sum {sum(fractions.values()):.6g})")
 
 
+def _slots(groups: Sequence[bytes], group_hash: Mapping[bytes, float], fractions: Mapping[str, float]) -> list[str]:
+    """The split of each pair, from its prompt group's digest and each group's seeded hash: groups in hash
+    order, cut where the running pair count crosses each fraction."""
+    _check_fractions(fractions)
+    members: dict[bytes, list[int]] = {}
+    for i, group in enumerate(groups):
+        members.setdefault(group, []).append(i)
+    order = sorted(members, key=lambda group: (group_hash[group], group))
+    names, bounds, running = list(fractions), [], 0.0
+    for name in names:
+        running += fractions[name]
+        bounds.append(running * len(groups))
+    slots: list[str] = [""] * len(groups)
+    done = 0
+    for group in order:
+        size = len(members[group])
+        middle = done + size / 2  # a prompt goes where the middle of its pairs falls
+        slot = next((k for k, bound in enumerate(bounds) if middle < bound), len(names) - 1)
+        for i in members[group]:
+            slots[i] = names[slot]
+        done += size
+    return slots
+
+
 def split_by_prompt(pairs: Sequence[PreferencePair], fractions: Mapping[str, float],
                     seed: int) -> dict[str, list[PreferencePair]]:
     """Prompt-disjoint split whose sizes follow `fractions` in pairs; pairs keep their input order.
@@ -104,33 +160,27 @@ def split_by_prompt(pairs: Sequence[PreferencePair], fractions: Mapping[str, flo
     prompts, where independent per-prompt draws would not be.
     """
     _check_fractions(fractions)
-    groups: dict[str, list[int]] = {}
-    for i, pair in enumerate(pairs):
-        groups.setdefault(prompt_group(pair.prompt), []).append(i)
-    order = sorted(groups, key=lambda prompt: (_unit_hash(seed, prompt), prompt))
-    names, bounds, running = list(fractions), [], 0.0
-    for name in names:
-        running += fractions[name]
-        bounds.append(running * len(pairs))
-    assignment, done = {}, 0
-    for prompt in order:
-        size = len(groups[prompt])
-        middle = done + size / 2  # a prompt goes where the middle of its pairs falls
-        slot = next((k for k, bound in enumerate(bounds) if middle < bound), len(names) - 1)
-        for i in groups[prompt]:
-            assignment[i] = names[slot]
-        done += size
-    out: dict[str, list[PreferencePair]] = {name: [] for name in names}
-    for i, pair in enumerate(pairs):
-        out[assignment[i]].append(pair)
+    groups, group_hash = [], {}
+    for pair in pairs:
+        group = prompt_group(pair.prompt)
+        digest = _digest(group)
+        group_hash.setdefault(digest, _unit_hash(seed, group))
+        groups.append(digest)
+    out: dict[str, list[PreferencePair]] = {name: [] for name in fractions}
+    for pair, slot in zip(pairs, _slots(groups, group_hash, fractions)):
+        out[slot].append(pair)
     return out
+
+
+def _rank_key(pair: PreferencePair, seed: int, salt: str) -> float:
+    return _unit_hash(seed, salt, *_key(pair))
 
 
 def subsample(pairs: Sequence[PreferencePair], n: int, seed: int, salt: str = "") -> list[PreferencePair]:
     """At most n pairs, chosen by hash(seed, salt, text); keeps input order. Used only after splitting."""
     if len(pairs) <= n:
         return list(pairs)
-    ranked = sorted(range(len(pairs)), key=lambda i: (_unit_hash(seed, salt, *_key(pairs[i])), i))
+    ranked = sorted(range(len(pairs)), key=lambda i: (_rank_key(pairs[i], seed, salt), i))
     return [pairs[i] for i in sorted(ranked[:n])]
 
 
@@ -145,28 +195,97 @@ class ProtocolSplits:
     counts: dict[str, dict] = field(default_factory=dict)  # dataset -> cleaning counts + "splits" sizes
 
 
-def _clean(name: str, pairs: list[PreferencePair]) -> tuple[list[PreferencePair], CleanCounts]:
-    kept, counts = clean_pairs(pairs)
+@dataclass
+class _Scan:
+    """What the first pass keeps of a dataset's pairs that survive cleaning: no text, only where each is in
+    the stream and its prompt group."""
+
+    counts: CleanCounts
+    positions: list[int]  # in the stream
+    groups: list[bytes]  # the prompt group's digest
+    group_hash: dict[bytes, float]  # hash(seed, group) of every group
+
+
+def _scan(name: str, pairs: Iterable[PreferencePair], seed: int) -> _Scan:
+    """First pass: cleaning (clean_pairs' rules) and the prompt groups, holding digests, not texts."""
+    progress = Progress(f"data {name}: read and clean")
+    counts = CleanCounts(total=0, kept=0, ties=0, empty=0, identical=0)
+    positions, digests, groups, group_hash = [], [], [], {}
+    for position, pair in enumerate(pairs):
+        counts.total += 1
+        progress.update()
+        reason = _drop_reason(pair)
+        if reason is not None:
+            setattr(counts, reason, getattr(counts, reason) + 1)
+            continue
+        group = prompt_group(pair.prompt)
+        digest = _digest(group)
+        group_hash.setdefault(digest, _unit_hash(seed, group))
+        positions.append(position)
+        digests.append(_pair_digests(pair))
+        groups.append(digest)
+    kept, counts.conflicting, counts.duplicates = _dedupe(digests)
+    counts.kept = len(kept)
+    progress.close(f"{counts.kept:,} kept")
     if not kept:
         raise DataError(f"dataset {name!r}: no pair left after cleaning ({counts.to_dict()})")
-    return kept, counts
+    kept_groups = [groups[i] for i in kept]
+    return _Scan(counts, [positions[i] for i in kept], kept_groups,
+                 {g: group_hash[g] for g in set(kept_groups)})
+
+
+def _select(name: str, pairs: Iterable[PreferencePair], total: int, slots: Mapping[int, str],
+            caps: Mapping[str, tuple[str, int]], seed: int) -> dict[str, list[PreferencePair]]:
+    """Second pass: each split's pairs (`slots`: stream position -> split), a capped split only its `n` pairs
+    of lowest hash(seed, salt, text), as `subsample` picks them, held in a heap of n while the stream goes by.
+    `total`: the pairs the first read gave."""
+    progress = Progress(f"data {name}: select the splits' pairs")
+    chosen: dict[str, list] = {split: [] for split in dict.fromkeys(slots.values())}
+    seen = 0
+    for position, pair in enumerate(pairs):
+        seen += 1
+        progress.update()
+        split = slots.get(position)
+        if split is None:
+            continue
+        if split not in caps:
+            chosen[split].append((position, pair))
+            continue
+        salt, n = caps[split]
+        item = (-_rank_key(pair, seed, salt), -position, pair)  # the heap's top: the worst kept so far
+        heap = chosen[split]
+        if len(heap) < n:
+            heapq.heappush(heap, item)
+        elif item > heap[0]:
+            heapq.heapreplace(heap, item)
+    if seen != total:  # the positions of the first read would point at other pairs
+        raise DataError(f"dataset {name!r}: {seen} pairs on the second read, {total} on the first; did it change "
+                        "while it was read?")
+    out = {}
+    for split, items in chosen.items():  # back in stream order
+        positioned = items if split not in caps else [(-negated, pair) for _, negated, pair in items]
+        out[split] = [pair for _, pair in sorted(positioned, key=lambda item: item[0])]
+    progress.close(", ".join(f"{split} {len(v):,}" for split, v in out.items()))
+    return out
 
 
 def build_protocol_splits(source: str, targets: Sequence[str], seed: int, *,
                           source_fractions: Sequence[tuple[str, float]] = SOURCE_FRACTIONS,
                           ood_val_fraction: float = 0.5,
                           max_pairs: Mapping[str, int] | None = None,
-                          loader: Callable[[str], list[PreferencePair]] = load_dataset_pairs) -> ProtocolSplits:
+                          loader: Callable[[str], Iterable[PreferencePair]] = iter_dataset_pairs) -> ProtocolSplits:
     """Source -> teacher_train / student_train / id_val / id_test; each target -> val / test.
 
     The teacher and the student train on disjoint prompts, so the student never sees the teacher's own
     training pairs. Tuning selects on id_val and OOD val; test splits are for the final report only.
     `max_pairs` caps a split (keys teacher_train, student_train, id_val, id_test, ood_val, ood_test) by a
-    seeded subsample taken after splitting, so a cap never moves a prompt across splits.
+    seeded subsample taken after splitting, so a cap never moves a prompt across splits. `loader(name)` is
+    called twice per dataset (two passes over it) and must give the same pairs in the same order each time.
     """
     fractions, required = dict(source_fractions), [name for name, _ in SOURCE_FRACTIONS]
     if set(fractions) != set(required):
         raise ValueError(f"source_fractions must name {', '.join(required)}; got {sorted(fractions)}")
+    _check_fractions(fractions)
     if not 0 < ood_val_fraction < 1:
         raise ValueError(f"ood_val_fraction must lie strictly between 0 and 1, got {ood_val_fraction}")
     if source in targets or len(set(targets)) != len(targets):
@@ -176,28 +295,31 @@ def build_protocol_splits(source: str, targets: Sequence[str], seed: int, *,
     if unknown or any(not isinstance(n, int) or n < 1 for n in caps.values()):
         raise ValueError(f"max_pairs takes positive ints for {required + ['ood_val', 'ood_test']}; got {caps}")
 
-    def capped(pairs: list[PreferencePair], key: str, name: str) -> list[PreferencePair]:
-        if not pairs:
-            raise DataError(f"dataset {name!r}: split {key!r} is empty; the dataset has too few prompts")
-        return subsample(pairs, caps[key], seed, f"{name}/{key}") if key in caps else pairs
+    def split(name: str, scan: _Scan, halves: Mapping[str, float], cap_key: Callable[[str], str]) -> dict[str, list]:
+        slots = _slots(scan.groups, scan.group_hash, halves)
+        split_caps = {k: (f"{name}/{cap_key(k)}", caps[cap_key(k)]) for k in halves if cap_key(k) in caps}
+        parts = _select(name, loader(name), scan.counts.total, dict(zip(scan.positions, slots)), split_caps, seed)
+        for k in halves:
+            if not parts.get(k):
+                raise DataError(f"dataset {name!r}: split {cap_key(k)!r} is empty; the dataset has too few prompts")
+        return {k: parts[k] for k in halves}
 
     counts: dict[str, dict] = {}
-    kept, clean = _clean(source, loader(source))
-    source_groups = {prompt_group(pair.prompt) for pair in kept}
-    parts = {k: capped(v, k, source) for k, v in split_by_prompt(kept, fractions, seed).items()}
-    counts[source] = {**clean.to_dict(), "splits": {k: len(v) for k, v in parts.items()}}
+    scan = _scan(source, loader(source), seed)
+    source_groups = set(scan.groups)
+    parts = split(source, scan, fractions, lambda k: k)
+    counts[source] = {**scan.counts.to_dict(), "splits": {k: len(v) for k, v in parts.items()}}
     ood = {}
     for target in targets:
-        kept, clean = _clean(target, loader(target))
+        scan = _scan(target, loader(target), seed)
         # A target pair whose prompt group the source also has is not out of distribution: drop it.
-        shared = [pair for pair in kept if prompt_group(pair.prompt) in source_groups]
-        if shared:
-            kept = [pair for pair in kept if prompt_group(pair.prompt) not in source_groups]
-            if not kept:
-                raise DataError(f"dataset {target!r}: every prompt also occurs in the source {source!r}")
-        halves = split_by_prompt(kept, {"val": ood_val_fraction, "test": 1 - ood_val_fraction}, seed)
-        ood[target] = {k: capped(v, f"ood_{k}", target) for k, v in halves.items()}
-        counts[target] = {**clean.to_dict(), "shared_with_source": len(shared),
+        own = [i for i, group in enumerate(scan.groups) if group not in source_groups]
+        shared = len(scan.groups) - len(own)
+        if not own:
+            raise DataError(f"dataset {target!r}: every prompt also occurs in the source {source!r}")
+        scan = _Scan(scan.counts, [scan.positions[i] for i in own], [scan.groups[i] for i in own], scan.group_hash)
+        ood[target] = split(target, scan, {"val": ood_val_fraction, "test": 1 - ood_val_fraction}, lambda k: f"ood_{k}")
+        counts[target] = {**scan.counts.to_dict(), "shared_with_source": shared,
                           "splits": {k: len(v) for k, v in ood[target].items()}}
     return ProtocolSplits(source, parts["teacher_train"], parts["student_train"], parts["id_val"], parts["id_test"],
                           ood, counts)

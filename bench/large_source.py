@@ -1,5 +1,8 @@
-"""Time and peak memory of today's data path on a large source (not a test): load, clean, split by prompt
-and tokenise the student's training pairs, as `tune.py --source FILE` does before any training.
+"""Time and peak memory of the data path on a large source (not a test): load, clean, split by prompt and
+tokenise the student's training pairs, as `tune.py --source FILE` does before any training. Two loaders:
+`streamed` is the project's (splits.build_protocol_splits: two passes over the file, digests in memory, not
+texts); `in-memory`, the baseline, is how it worked until session 13: the whole source read into a list, then
+splits.clean_pairs, split_by_prompt and subsample on lists. Both give the same splits (tests/test_splits.py).
 
 The source is synthetic, built from the shipped data: HH helpful-base's pairs (2,354) written again and
 again as a generic JSONL (`prompt`, `chosen`, `rejected`) until it holds `--pairs` pairs, copy k's prompt
@@ -15,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import logging
 import resource
 import subprocess
 import sys
@@ -25,6 +29,7 @@ from pathlib import Path
 from bench_common import machine, markdown_table, positive_int
 
 TARGETS = ["ultrafeedback", "pandalm"]
+LOADERS = ("streamed", "in-memory")
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -33,6 +38,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--max-length", type=positive_int, default=128)
     parser.add_argument("--out", help="also write the figures as JSON here")
     parser.add_argument("--one", help=argparse.SUPPRESS)  # internal: measure one source file in this process
+    parser.add_argument("--loader", choices=LOADERS, help=argparse.SUPPRESS)  # internal, with --one
     parser.add_argument("--json-out", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     try:
@@ -57,9 +63,29 @@ def write_synthetic(path: Path, pairs: int) -> int:
     return path.stat().st_size
 
 
-def measure(source: str, max_length: int) -> dict:
+def in_memory_splits(source: str, seed: int, caps: dict):
+    """The baseline: every dataset read whole into a list, cleaned and split as lists."""
+    from anchor_rm.catalog import load_dataset_pairs
+    from anchor_rm.splits import SOURCE_FRACTIONS, ProtocolSplits, clean_pairs, prompt_group, split_by_prompt, subsample
+
+    def capped(pairs, key, name):
+        return subsample(pairs, caps[key], seed, f"{name}/{key}") if key in caps else pairs
+
+    kept, counts = clean_pairs(load_dataset_pairs(source))
+    groups = {prompt_group(p.prompt) for p in kept}
+    parts = {k: capped(v, k, source) for k, v in split_by_prompt(kept, dict(SOURCE_FRACTIONS), seed).items()}
+    ood = {}
+    for target in TARGETS:
+        own = [p for p in clean_pairs(load_dataset_pairs(target))[0] if prompt_group(p.prompt) not in groups]
+        ood[target] = {k: capped(v, f"ood_{k}", target) for k, v in split_by_prompt(own, {"val": 0.5, "test": 0.5}, seed).items()}
+    return ProtocolSplits(source, parts["teacher_train"], parts["student_train"], parts["id_val"], parts["id_test"], ood,
+                          {source: counts.to_dict()})
+
+
+def measure(source: str, max_length: int, loader: str) -> dict:
     """In this process: the protocol's splits of `source` (the default preset's caps) and the student's
     training pairs tokenised; seconds per stage and peak RSS."""
+    from anchor_rm.catalog import dataset_digest
     from anchor_rm.config import preset
     from anchor_rm.encoding import RewardEncoder
     from anchor_rm.models import load_tokenizer, resolve_model
@@ -68,21 +94,28 @@ def measure(source: str, max_length: int) -> dict:
 
     cfg = preset("default")
     started = time.perf_counter()
-    splits = build_protocol_splits(source, TARGETS, 0, max_pairs=cfg.max_pairs)
+    if loader == "streamed":
+        splits = build_protocol_splits(source, TARGETS, 0, max_pairs=cfg.max_pairs)
+    else:
+        splits = in_memory_splits(source, 0, cfg.max_pairs)
     split_s = time.perf_counter() - started
     tokenizer = load_tokenizer(resolve_model("minilm-l6"))
     started = time.perf_counter()
     encoded = encode_pairs(RewardEncoder(tokenizer, max_length, decoder=False), splits.student_train)
     encode_s = time.perf_counter() - started
-    return {"split_seconds": split_s, "encode_seconds": encode_s, "student_train": len(encoded),
+    every = [splits.teacher_train, splits.student_train, splits.id_val, splits.id_test,
+             *[v for parts in splits.ood.values() for v in parts.values()]]
+    return {"loader": loader, "split_seconds": split_s, "encode_seconds": encode_s, "student_train": len(encoded),
             "counts": splits.counts.get(splits.source, {}),
+            "splits_digest": dataset_digest([p for part in every for p in part]),
             "peak_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024}
 
 
-def run_in_subprocess(argv: list[str], source: str) -> dict:
+def run_in_subprocess(argv: list[str], source: str, loader: str) -> dict:
     with tempfile.TemporaryDirectory() as tmp:
         out = Path(tmp) / "result.json"
-        subprocess.run([sys.executable, __file__, *argv, "--one", source, "--json-out", str(out)], check=True)
+        subprocess.run([sys.executable, __file__, *argv, "--one", source, "--loader", loader, "--json-out", str(out)],
+                       check=True)
         return json.loads(out.read_text())
 
 
@@ -90,7 +123,8 @@ def main(argv=None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     args = parse_args(argv)
     if args.one:
-        Path(args.json_out).write_text(json.dumps(measure(args.one, args.max_length)))
+        logging.basicConfig(level=logging.INFO, format="  %(message)s")  # the stages' progress lines
+        Path(args.json_out).write_text(json.dumps(measure(args.one, args.max_length, args.loader)))
         return 0
     rows, results = [], []
     with tempfile.TemporaryDirectory() as tmp:
@@ -101,12 +135,18 @@ def main(argv=None) -> int:
                 source = str(Path(tmp) / f"synthetic-{size}.jsonl")
                 megabytes = write_synthetic(Path(source), size) / 1e6
                 label = f"synthetic {size:,}"
-            result = {"source": label, "file_mb": megabytes, **run_in_subprocess(argv, source)}
-            results.append(result)
-            print(json.dumps(result), flush=True)
-            rows.append([label, "-" if megabytes is None else f"{megabytes:.0f}", f"{result['split_seconds']:.1f}",
-                         f"{result['encode_seconds']:.1f}", str(result["student_train"]), f"{result['peak_rss_mb']:.0f}"])
-    table = markdown_table(["source", "file MB", "load + clean + split s", "tokenise student-train s",
+            for loader in LOADERS:
+                result = {"source": label, "file_mb": megabytes, **run_in_subprocess(argv, source, loader)}
+                results.append(result)
+                print(json.dumps(result), flush=True)
+                rows.append([label, loader, "-" if megabytes is None else f"{megabytes:.0f}",
+                             f"{result['split_seconds']:.1f}", f"{result['encode_seconds']:.1f}",
+                             str(result["student_train"]), f"{result['peak_rss_mb']:.0f}"])
+            same = len({r["splits_digest"] for r in results[-len(LOADERS):]}) == 1
+            print(f"{label}: both loaders give the same splits: {same}", flush=True)
+            if not same:
+                raise SystemExit(f"{label}: the loaders' splits differ")
+    table = markdown_table(["source", "loader", "file MB", "load + clean + split s", "tokenise student-train s",
                             "student-train pairs", "peak RSS MB"], rows)
     table += f"\n\n{machine()}"
     print("\n" + table)

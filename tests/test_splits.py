@@ -232,3 +232,113 @@ def test_target_pairs_whose_prompt_group_is_in_the_source_are_dropped_and_counte
     splits = build_protocol_splits("src", ["tgt"], 0, loader=data.__getitem__)
     assert splits.counts["tgt"]["shared_with_source"] == 1
     assert not any("q3?" in p.prompt for part in splits.ood["tgt"].values() for p in part)
+
+
+# --- the protocol read as a stream ---------------------------------------------------------------------
+
+
+def in_memory_splits(source: str, targets: list[str], seed: int, caps: dict) -> ProtocolSplits:
+    """What build_protocol_splits must give, composed from the list functions: everything in memory."""
+    from anchor_rm.splits import SOURCE_FRACTIONS, prompt_group
+
+    def capped(pairs, key, name):
+        return subsample(pairs, caps[key], seed, f"{name}/{key}") if key in caps else pairs
+
+    kept, _ = clean_pairs(load_dataset_pairs(source))
+    groups = {prompt_group(p.prompt) for p in kept}
+    parts = {k: capped(v, k, source) for k, v in split_by_prompt(kept, dict(SOURCE_FRACTIONS), seed).items()}
+    ood = {}
+    for target in targets:
+        own = [p for p in clean_pairs(load_dataset_pairs(target))[0] if prompt_group(p.prompt) not in groups]
+        halves = split_by_prompt(own, {"val": 0.5, "test": 0.5}, seed)
+        ood[target] = {k: capped(v, f"ood_{k}", target) for k, v in halves.items()}
+    return ProtocolSplits(source, parts["teacher_train"], parts["student_train"], parts["id_val"], parts["id_test"], ood)
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("category, seed, caps", [("helpful", 0, {"student_train": 640, "id_test": 500, "ood_test": 150}),
+                                                  ("harmless", 3, {"teacher_train": 150, "ood_val": 20}),
+                                                  ("helpful", 1, {})])
+def test_streamed_protocol_gives_the_pairs_the_in_memory_functions_give(category, seed, caps):
+    source, targets = CATEGORIES[category]["source"], CATEGORIES[category]["targets"]
+    streamed = build_protocol_splits(source, targets, seed, max_pairs=caps)
+    expected = in_memory_splits(source, targets, seed, caps)
+    for split in ("teacher_train", "student_train", "id_val", "id_test"):
+        assert getattr(streamed, split) == getattr(expected, split), split
+    assert streamed.ood == expected.ood
+
+
+class Counted:
+    """A loader over `n` synthetic pairs, made afresh on every read, that tracks how many are alive at once."""
+
+    def __init__(self, n: int, per_prompt: int = 2):
+        import weakref
+
+        self.n, self.per_prompt, self.alive, self.most_alive, self.reads = n, per_prompt, 0, 0, 0
+        self._finalize = weakref.finalize
+
+    def _gone(self):
+        self.alive -= 1
+
+    def __call__(self, name: str):
+        self.reads += 1
+        for i in range(self.n):
+            p = PreferencePair(f"{name} prompt {i // self.per_prompt}", f"good answer {i}", f"bad answer {i}", name)
+            self.alive += 1
+            self.most_alive = max(self.most_alive, self.alive)
+            self._finalize(p, self._gone)
+            yield p
+
+
+@pytest.mark.timeout(120)
+def test_the_protocol_never_holds_a_whole_source_only_what_the_caps_keep():
+    caps = {"teacher_train": 20, "student_train": 30, "id_val": 10, "id_test": 10, "ood_val": 5, "ood_test": 5}
+    loader = Counted(20_000)
+    splits = build_protocol_splits("big", ["target"], 0, max_pairs=caps, loader=loader)
+    assert loader.reads == 4  # two passes over each dataset
+    assert [len(splits.teacher_train), len(splits.student_train), len(splits.id_val), len(splits.id_test)] == [20, 30, 10, 10]
+    assert splits.counts["big"]["total"] == splits.counts["target"]["total"] == 20_000
+    # 40,000 pairs went by; at most the caps' 80 (and the two in hand: the loader's and the reader's) were
+    # ever alive together.
+    assert loader.most_alive <= sum(caps.values()) + 2, loader.most_alive
+
+
+def test_a_source_that_changes_between_the_two_reads_is_a_data_error():
+    reads = []
+
+    def shrinking(name):
+        reads.append(name)
+        return toy(40 if len(reads) == 1 else 10, name=name)
+
+    with pytest.raises(DataError, match=r"dataset 'src': 30 pairs on the second read, 120 on the first; "
+                                        r"did it change while it was read\?"):
+        build_protocol_splits("src", [], 0, loader=shrinking)
+
+
+def test_every_dataset_pass_reports_its_progress(caplog):
+    import logging
+
+    with caplog.at_level(logging.INFO, logger="anchor_rm"):
+        build_protocol_splits("hh-helpful-base", ["pandalm"], 0, max_pairs={"student_train": 40})
+    lines = [r.getMessage() for r in caplog.records]
+    for name in ("hh-helpful-base", "pandalm"):
+        assert any(line.startswith(f"data {name}: read and clean: ") and " kept" in line for line in lines), lines
+        assert any(line.startswith(f"data {name}: select the splits' pairs: ") for line in lines), lines
+    assert any("student_train 40" in line for line in lines), lines
+
+
+def test_progress_writes_a_line_every_interval_and_a_total(caplog):
+    import logging
+
+    from anchor_rm.progress import Progress
+
+    with caplog.at_level(logging.INFO, logger="anchor_rm"):
+        progress = Progress("stage", every_s=0.0)
+        progress.update(3)
+        progress.update(2)
+        progress.close("done")
+        Progress("quick", quiet_when_quick=True).close()
+    lines = [r.getMessage() for r in caplog.records]
+    assert lines[0].startswith("stage: 3 pairs so far") and lines[1].startswith("stage: 5 pairs so far"), lines
+    assert lines[2].startswith("stage: 5 pairs in ") and lines[2].endswith("; done"), lines
+    assert len(lines) == 3, lines
