@@ -159,7 +159,6 @@ def split_by_prompt(pairs: Sequence[PreferencePair], fractions: Mapping[str, flo
     and cut where the running pair count crosses each fraction: exact proportions even for a few dozen
     prompts, where independent per-prompt draws would not be.
     """
-    _check_fractions(fractions)
     groups, group_hash = [], {}
     for pair in pairs:
         group = prompt_group(pair.prompt)
