@@ -32,6 +32,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--student", default="minilm-l6")
     parser.add_argument("--student-pairs", default="640", help="comma-separated caps on student-train for the ceiling")
     parser.add_argument("--epochs", type=int, default=2, help="ceiling epochs")
+    parser.add_argument("--frozen-layers", type=int, default=0, metavar="K",
+                        help="the ceiling's embeddings and lowest K layers keep their pretrained weights (default 0)")
     parser.add_argument("--max-length", type=int, default=128)
     parser.add_argument("--learning-rate", type=float, default=1e-4)
     parser.add_argument("--seeds", default="0")
@@ -74,12 +76,13 @@ def main(argv=None) -> int:
             return subsample(pairs, n, seed, f"{source}/{key}")
         print(f"seed {seed}: {source} splits {splits.counts[source]['splits']}", flush=True)
 
-        def train_and_score(name: str, pairs, epochs: int, label_pairs=None, lr: float = args.learning_rate) -> dict:
+        def train_and_score(name: str, pairs, epochs: int, label_pairs=None, lr: float = args.learning_rate,
+                            frozen_layers: int = 0) -> dict:
             started = time.perf_counter()
             rm = load_pretrained(name, args.max_length, seed)
             train_on_pairs(rm, pairs, None, TrainConfig(method="gold", epochs=epochs, batch_size=16, seed=seed,
                                                         learning_rate=lr, max_length=args.max_length,
-                                                        precision=precision))
+                                                        precision=precision, frozen_layers=frozen_layers))
             val = evaluate_pairs(rm, splits.id_val, 64, precision=precision)
             test = evaluate_pairs(rm, splits.id_test, 64, precision=precision)
             out = {"val": val.accuracy, "test": test.accuracy, "n_val": val.n_pairs, "n_test": test.n_pairs}
@@ -96,8 +99,10 @@ def main(argv=None) -> int:
                                               label_pairs, lr)
             print(f"  teacher {label}: {teachers[label]}", flush=True)
         for n in args.student_pair_list:
-            ceiling = train_and_score(args.student, capped(splits.student_train, n, "student_train"), args.epochs)
-            print(f"  ceiling {args.student} on {n} pairs x {args.epochs}: {ceiling}", flush=True)
+            ceiling = train_and_score(args.student, capped(splits.student_train, n, "student_train"), args.epochs,
+                                      frozen_layers=args.frozen_layers)
+            print(f"  ceiling {args.student} on {n} pairs x {args.epochs}"
+                  f"{f', lowest {args.frozen_layers} layers frozen' if args.frozen_layers else ''}: {ceiling}", flush=True)
             for label, teacher in teachers.items():
                 rows.append([str(seed), label, f"{teacher['q_mean_abs_dev']:.3f}", str(n),
                              f"{teacher['val']:.1f}", f"{ceiling['val']:.1f}",
@@ -109,8 +114,9 @@ def main(argv=None) -> int:
     table = markdown_table(["seed", "teacher (gold pairs x epochs, lr)", "teacher mean abs(q - 0.5)", "ceiling pairs", "teacher val",
                             "ceiling val", "gap val",
                             "teacher test", "ceiling test", "gap test"], rows)
-    note = (f"{source}, ID val n={n_val}, ID test n={n_test}; max length {args.max_length}, ceiling {args.epochs} "
-            f"epochs, lr {args.learning_rate}, {precision}; {machine()}")
+    frozen = f" (embeddings and lowest {args.frozen_layers} layers frozen)" if args.frozen_layers else ""
+    note = (f"{source}, ID val n={n_val}, ID test n={n_test}; ceiling {args.student}{frozen}, max length "
+            f"{args.max_length}, {args.epochs} epochs, lr {args.learning_rate}, {precision}; {machine()}")
     print("\n" + table + "\n\n" + note)
     if args.out:
         Path(args.out).write_text(json.dumps({"args": {k: v for k, v in vars(args).items()}, "records": record,
