@@ -49,7 +49,7 @@ class DriftMeter:
             states = hidden_states[layer].float().cpu()
             for row, seq in enumerate(batch_indices):
                 student = states[row][mask[row]]
-                reference = self.reference.states[layer][seq].float()
+                reference = self.reference.row(layer, seq).float()
                 if student.shape != reference.shape:
                     raise ValueError(f"sequence {seq}: student has {tuple(student.shape)} response states, "
                                      f"the reference cache {tuple(reference.shape)}; they were encoded differently")
