@@ -15,15 +15,20 @@ import time
 HEALTH_CHECK_INTERVAL_S = float(os.environ.get("RAY_TRAIN_HEALTH_CHECK_INTERVAL_S", "2.0"))
 
 
+def first_time(marker: str) -> bool:
+    """True for the first caller only, in any process and across restarts: it creates `marker` atomically."""
+    try:
+        os.close(os.open(marker, os.O_CREAT | os.O_EXCL | os.O_WRONLY))
+    except FileExistsError:
+        return False
+    return True
+
+
 def kill_once_at(step: int, rank: int, argument: str) -> None:
     """argument "<step>:<marker file>": the rank-0 worker SIGKILLs itself when it finishes that training step,
     once (the marker file, created atomically, remembers it across the restart)."""
     at, marker = argument.split(":", 1)
-    if rank != 0 or step != int(at):
-        return
-    try:
-        os.close(os.open(marker, os.O_CREAT | os.O_EXCL | os.O_WRONLY))  # atomic: only the first one dies
-    except FileExistsError:
+    if rank != 0 or step != int(at) or not first_time(marker):  # only the first one dies
         return
     time.sleep(2 * HEALTH_CHECK_INTERVAL_S + 1)
     os.kill(os.getpid(), signal.SIGKILL)
@@ -63,9 +68,7 @@ def hold_on_the_worker_node_at(step: int, rank: int, argument: str) -> None:
     at, marker = argument.split(":", 1)
     if os.environ.get("ANCHOR_RM_TEST_NODE") != "worker" or rank != 0 or step != int(at):
         return
-    try:
-        os.close(os.open(marker + ".claimed", os.O_CREAT | os.O_EXCL | os.O_WRONLY))  # once, for one trial
-    except FileExistsError:
+    if not first_time(marker + ".claimed"):  # once, for one trial
         return
     time.sleep(2 * HEALTH_CHECK_INTERVAL_S + 1)
     with open(marker + ".tmp", "w") as f:
@@ -79,11 +82,7 @@ def hold_for_outage_at(step: int, rank: int, argument: str) -> None:
     creates the marker file and waits (up to 5 minutes) for "<marker>.down", which the test creates once it
     has stopped the tracking server; training then goes on with the server gone."""
     at, marker = argument.split(":", 1)
-    if rank != 0 or step != int(at):
-        return
-    try:
-        os.close(os.open(marker, os.O_CREAT | os.O_EXCL | os.O_WRONLY))  # once: not again after a restart
-    except FileExistsError:
+    if rank != 0 or step != int(at) or not first_time(marker):  # once: not again after a restart
         return
     deadline = time.monotonic() + 300
     while not os.path.exists(marker + ".down") and time.monotonic() < deadline:
