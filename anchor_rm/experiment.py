@@ -179,7 +179,7 @@ def prepare_shared(cfg: ProtocolConfig, experiment_id: str) -> SharedStages:
 
 
 def final_report(shared: SharedStages, rm: RewardModel, model_info: dict, eval_batch_size: int, precision: str,
-                 selection_splits: str = "none") -> EvaluationReport:
+                 selection_splits: str = "none", selection: dict | None = None) -> EvaluationReport:
     """The student on every test split, beside the teacher (and ceiling), as a report; `precision` is the
     experiment's resolved precision (the teacher's test scores were taken in it too). The same on every
     validation split goes into the report's validation block: what promotion compares."""
@@ -192,7 +192,7 @@ def final_report(shared: SharedStages, rm: RewardModel, model_info: dict, eval_b
     digests = {k: v for k, v in shared.data.outputs["digests"].items()}
     return build_report(model_info, rows["test"], selection_splits=selection_splits, figure_splits="test",
                         data_digests=digests, headline_targets=shared.headline_targets,
-                        validation_results=rows["val"])
+                        validation_results=rows["val"], selection=selection)
 
 
 def run_student(cfg: ProtocolConfig, shared: SharedStages, train_cfg: TrainConfig, run_name: str | None = None) -> tuple[str, EvaluationReport]:

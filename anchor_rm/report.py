@@ -69,6 +69,9 @@ class EvaluationReport:
     # The same models on the validation splits (protocol reports): what promotion compares; None in reports
     # written before these rows existed, and in evaluation reports.
     validation_splits: list[SplitResult] | None = None
+    # How tune.py chose this model among its trials (the rule, the winner's tie and its distance from naive
+    # W2S on validation); None for a model no search selected.
+    selection: dict[str, Any] | None = None
 
     @property
     def validation(self) -> dict[str, Any] | None:
@@ -111,6 +114,7 @@ class EvaluationReport:
             **({"validation": {"splits": [asdict(row) for row in self.validation_splits],
                                "wrg": self.validation["wrg"], "mean_nts": self.validation["mean_nts"]}}
                if self.validation_splits is not None else {}),
+            **({"selection": dict(self.selection)} if self.selection is not None else {}),
             "data_digests": dict(self.data_digests),
         }
         validate_report_dict(report_dict)
@@ -336,11 +340,13 @@ def build_report(
     kind: str = PROTOCOL,
     headline_targets: list[str] | None = None,
     validation_results: list[SplitResult] | None = None,
+    selection: dict[str, Any] | None = None,
 ) -> EvaluationReport:
     """Assemble a report and compute WRG, AOG, NTS, mean NTS and PGR (ID) from the rows.
 
     `validation_results` (protocol reports): the same models on the validation splits, kept beside the
-    figures for what may select (promotion); the figures themselves stay on `figure_splits`.
+    figures for what may select (promotion); the figures themselves stay on `figure_splits`. `selection`:
+    how a search chose this model (tuning/final.py: selection_summary).
 
     kind="protocol" (training, tuning): `results` holds exactly one row with role "id" and at least one
     "ood" row, all on `figure_splits`, each with a teacher accuracy. kind="evaluation" (any model on any
@@ -377,6 +383,7 @@ def build_report(
         headline_targets=None if headline_targets is None else list(headline_targets),
         validation_splits=None if validation_results is None else [_split_result_from_dict(asdict(row))
                                                                    for row in validation_results],
+        selection=None if selection is None else dict(selection),
         **derived,
     )
     report.to_dict()  # validates the whole report
@@ -422,6 +429,7 @@ def report_from_dict(report_dict: dict[str, Any]) -> EvaluationReport:
         headline_targets=report_dict.get("headline_targets"),
         validation_splits=([_split_result_from_dict(row) for row in report_dict["validation"]["splits"]]
                            if "validation" in report_dict else None),
+        selection=report_dict.get("selection"),
     )
 
 

@@ -115,11 +115,39 @@ def _protocol_summary(report: EvaluationReport) -> list[str]:
         gap_se = difference_standard_error(idr.ceiling_accuracy, idr.n_pairs, idr.teacher_accuracy, idr.n_pairs)
         lines.append(f"- Ceiling - teacher (ID): {idr.ceiling_accuracy - idr.teacher_accuracy:+.1f} ±{gap_se:.1f} points")
     lines += [f"- PGR (ID): {_pgr_text(report)}", _splits_line(report)]
+    if report.selection is not None:
+        lines += _selection_lines(report.selection)
     if report.validation is not None:
         val_id = report.validation_id_split
         lines.append(f"- Validation (what promotion compares; not a figure): ID `{val_id.dataset}` student "
                      f"{val_id.student_accuracy:.1f}, teacher {val_id.teacher_accuracy:.1f} (n={val_id.n_pairs}); "
                      f"WRG {report.validation['wrg']:+.1f}, mean NTS {report.validation['mean_nts']:+.1f} points")
+    return lines
+
+
+def _candidate_text(candidate: dict) -> str:
+    if candidate["method"] == "anchor":
+        name = f"ANCHOR {candidate['anchor_layers']} lambda={candidate['anchor_lambda']:.2g}"
+    else:
+        name = f"{candidate['method']} W2S"
+    return f"{name} (val mean NTS {candidate['val_mean_nts']:+.2f}, val ID acc {candidate['val_id_acc']:.1f})"
+
+
+def _selection_lines(selection: dict) -> list[str]:
+    lines = [f"- Selection among {selection['candidates']} candidates: {selection['rule']}.",
+             f"- Selected: {_candidate_text(selection['selected'])}"
+             + (f"; tied on validation mean NTS with {', '.join(_candidate_text(c) for c in selection['tied_with'])}"
+                if selection["tied_with"] else "")]
+    if selection["difference_from_naive"] is None:
+        lines.append("- Naive W2S did not finish: no comparison with it on validation.")
+    elif selection["selected"]["method"] == "naive":
+        lines.append("- Naive W2S itself was selected: no ANCHOR setting beat it on validation.")
+    else:
+        verdict = ("distinguishable" if selection["distinguishable_from_naive"]
+                   else "**not distinguishable** (within 1.96 standard errors)")
+        lines.append(f"- Against naive W2S on validation: mean NTS {selection['selected']['val_mean_nts']:+.2f} vs "
+                     f"{selection['naive_val_mean_nts']:+.2f}, difference {selection['difference_from_naive']:+.2f} "
+                     f"±{selection['difference_standard_error']:.2f} points: {verdict} from naive W2S.")
     return lines
 
 

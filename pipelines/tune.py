@@ -77,26 +77,40 @@ def tune_config(args):
     return apply_shared_flags(tune_preset(args.preset, args.category), args, student_train)
 
 
-def use_cluster_token(address: str | None) -> None:
-    """`ray start` clusters use token authentication (Ray >= 2.59), and a client sends its token only in
-    token mode, which Ray reads when it is imported. Where a token is at hand (RAY_AUTH_TOKEN,
-    RAY_AUTH_TOKEN_PATH or ~/.ray/auth_token, which `ray start` writes), use it."""
-    import os
+def use_ray_token(address: str | None) -> None:
+    """Ray (>= 2.59) authenticates by token, and reads whether to when it is imported, so this runs first.
 
-    at_hand = ("RAY_AUTH_TOKEN" in os.environ or "RAY_AUTH_TOKEN_PATH" in os.environ
-               or Path("~/.ray/auth_token").expanduser().exists())
-    if address and at_hand and "RAY_AUTH_MODE" not in os.environ and "ray" not in sys.modules:
+    - An existing cluster (`--ray-address`): `ray start` clusters ask for the token their head was started
+      with, which a client sends only in token mode. Where a token is at hand (RAY_AUTH_TOKEN,
+      RAY_AUTH_TOKEN_PATH or ~/.ray/auth_token), token mode is set.
+    - The local cluster: unless the user chose (any RAY_AUTH_* variable set), it gets a token of its own, in
+      this process's environment, which every process of the cluster inherits. Left to itself, `ray.init`
+      would write ~/.ray/auth_token on a machine without one, and every later `ray start --head` there would
+      silently switch to token mode; a token the user already has is neither read nor touched.
+    """
+    import os
+    import secrets
+
+    if "ray" in sys.modules or "RAY_AUTH_MODE" in os.environ:
+        return
+    if address:
+        if ("RAY_AUTH_TOKEN" in os.environ or "RAY_AUTH_TOKEN_PATH" in os.environ
+                or Path("~/.ray/auth_token").expanduser().exists()):
+            os.environ["RAY_AUTH_MODE"] = "token"
+    elif "RAY_AUTH_TOKEN" not in os.environ and "RAY_AUTH_TOKEN_PATH" not in os.environ:
         os.environ["RAY_AUTH_MODE"] = "token"
+        os.environ["RAY_AUTH_TOKEN"] = secrets.token_hex(32)
 
 
 def main(argv=None) -> int:
     args = build_parser().parse_args(argv)
     setup_logging(args.verbose)
-    use_cluster_token(args.ray_address)
+    use_ray_token(args.ray_address)
     with clean_errors():
         from anchor_rm.mlflow_edge.registry import default_model_name
         from anchor_rm.mlflow_edge.store import resolve_tracking_uri
         from tuning.main_job import MainJobSettings, run_main_job
+        from tuning.search import SearchFailed
 
         cfg = tune_config(args)
         settings = MainJobSettings(
@@ -107,7 +121,11 @@ def main(argv=None) -> int:
             reference_cache=args.reference_cache, reference_cache_budget=args.reference_cache_budget,
             use_gpu=args.use_gpu,
             ray_address=args.ray_address, num_cpus=args.num_cpus, seed=args.seed)
-        result = run_main_job(cfg, settings)
+        try:
+            result = run_main_job(cfg, settings)
+        except SearchFailed as exc:  # the trials' own errors were logged above, one line each
+            print(f"error: {exc}", file=sys.stderr)
+            return 1
         if result.final is None:
             print(f"registered model version: {result.already_registered}")
             return 0

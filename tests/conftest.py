@@ -25,9 +25,11 @@ if "ANCHOR_RM_TEST_SCRATCH" not in os.environ:
 # Ray Train starts a preemption watcher actor per trial (about 5 s of CPU each here) that polls for draining
 # nodes; no test drains a node, so the tests do without it. Production keeps Ray's default.
 os.environ.setdefault("RAY_TRAIN_ENABLE_PREEMPTION_WATCHER", "0")
-# The tests make their own stores; a developer's MLflow URIs must not reach them.
+# The tests make their own stores; a developer's MLflow URIs must not reach them. Nor may a developer's Ray
+# cluster or token: each cluster a test starts has its own (tests/helpers.py: ray_head), and tune.py's local
+# clusters make theirs (pipelines/tune.py: use_ray_token).
 URI_ENV = ("MLFLOW_TRACKING_URI", "MLFLOW_REGISTRY_URI")
-for _name in URI_ENV:
+for _name in (*URI_ENV, "RAY_ADDRESS", "RAY_AUTH_MODE", "RAY_AUTH_TOKEN", "RAY_AUTH_TOKEN_PATH"):
     os.environ.pop(_name, None)
 
 import pytest  # noqa: E402
@@ -74,7 +76,7 @@ def tiny_bert(minilm_tokenizer):
 # module at a time in this order, the tune test (14.5-25 minutes beside the rest on 2 AVX2-only cores) and
 # the cluster test start at once and the rest share what is left, instead of a long test starting last and
 # running alone.
-LONGEST_FIRST = ("test_tune.py", "test_cluster.py", "test_pipeline_train.py", "test_study.py")
+LONGEST_FIRST = ("test_tune.py", "test_cluster.py", "test_resume.py", "test_pipeline_train.py", "test_study.py")
 
 
 def pytest_collection_modifyitems(config, items):

@@ -4,15 +4,35 @@ each worker; never imported by the library."""
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import time
+from pathlib import Path
 
-# Ray Train's controller collects a worker's reports (and so its checkpoints) when it polls the worker, every
-# RAY_TRAIN_HEALTH_CHECK_INTERVAL_S (2 s by default). A checkpoint reported but not yet collected dies with
-# the worker, and the restart begins from the one before. The kill waits two polls, so that it always lands
-# after the epoch's checkpoint is known (on a fast CPU three steps take under 2 s).
-HEALTH_CHECK_INTERVAL_S = float(os.environ.get("RAY_TRAIN_HEALTH_CHECK_INTERVAL_S", "2.0"))
+
+def wait_until_checkpoint_collected(timeout_s: float = 600) -> None:
+    """Returns once Ray Train's controller has collected this run's newest checkpoint, or at once when the run
+    has none yet. The controller collects a worker's reports (and so its checkpoints) when it polls the
+    worker; a checkpoint reported but not yet collected dies with the worker, and the restart begins from the
+    one before. Its checkpoint_manager_snapshot.json names the newest checkpoint it knows: an event, on a CPU
+    of any speed (a fixed wait of two polls once held on one CPU and not on a faster one)."""
+    import ray.train
+
+    folder = Path(ray.train.get_context().get_storage().experiment_fs_path)
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        newest = max((p.name for p in folder.glob("checkpoint_*") if p.is_dir()), default=None)  # names are times
+        if newest is None:
+            return
+        try:
+            known = json.loads((folder / "checkpoint_manager_snapshot.json").read_text())["latest_checkpoint_result"]
+        except (OSError, ValueError, KeyError, TypeError):  # not written yet, or being written
+            known = None
+        if known and known.get("checkpoint_dir_name") == newest:
+            return
+        time.sleep(0.2)
+    raise TimeoutError(f"Ray Train's controller did not collect {folder}'s newest checkpoint in {timeout_s} s")
 
 
 def first_time(marker: str) -> bool:
@@ -26,11 +46,12 @@ def first_time(marker: str) -> bool:
 
 def kill_once_at(step: int, rank: int, argument: str) -> None:
     """argument "<step>:<marker file>": the rank-0 worker SIGKILLs itself when it finishes that training step,
-    once (the marker file, created atomically, remembers it across the restart)."""
+    once (the marker file, created atomically, remembers it across the restart), after its epoch's checkpoint
+    is collected."""
     at, marker = argument.split(":", 1)
     if rank != 0 or step != int(at) or not first_time(marker):  # only the first one dies
         return
-    time.sleep(2 * HEALTH_CHECK_INTERVAL_S + 1)
+    wait_until_checkpoint_collected()
     os.kill(os.getpid(), signal.SIGKILL)
 
 
@@ -70,7 +91,7 @@ def hold_on_the_worker_node_at(step: int, rank: int, argument: str) -> None:
         return
     if not first_time(marker + ".claimed"):  # once, for one trial
         return
-    time.sleep(2 * HEALTH_CHECK_INTERVAL_S + 1)
+    wait_until_checkpoint_collected()
     with open(marker + ".tmp", "w") as f:
         f.write(ray.train.get_context().get_experiment_name())
     os.replace(marker + ".tmp", marker)
@@ -87,3 +108,16 @@ def hold_for_outage_at(step: int, rank: int, argument: str) -> None:
     deadline = time.monotonic() + 300
     while not os.path.exists(marker + ".down") and time.monotonic() < deadline:
         time.sleep(0.2)
+
+
+def hold_at(step: int, rank: int, argument: str) -> None:
+    """argument "<step>:<marker file>": the first rank-0 worker to finish that training step, in any trial and
+    any driver, waits until its epoch's checkpoint is collected, creates the marker file and then holds still,
+    so that the test can SIGKILL the tune driver while a trial is mid-epoch (the worker dies with it)."""
+    at, marker = argument.split(":", 1)
+    if rank != 0 or step != int(at) or not first_time(marker + ".claimed"):
+        return
+    wait_until_checkpoint_collected()
+    with open(marker, "w") as f:
+        f.write(f"{os.getpid()}\n")
+    time.sleep(900)  # the driver is killed, and this worker with it

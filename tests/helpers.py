@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import secrets
 import shutil
 import signal
 import socket
@@ -128,31 +129,69 @@ def metric_steps(client, run_id: str, key: str) -> Counter:
     return Counter(m.step for m in client.get_metric_history(run_id, key))
 
 
+def assert_history_explained(client: MlflowClient, run_id: str, steps_per_epoch: int, epochs: int) -> list[int]:
+    """Every step of every epoch run is logged; a step logged twice follows a train/resumed_from_epoch marker
+    (the worker restarted from the checkpoint of that epoch and ran the next one again). Returns the marker
+    steps."""
+    markers = {m.step: m.value for m in client.get_metric_history(run_id, "train/resumed_from_epoch")}
+    for key in ("train/loss", "train/w2s_loss", "train/lr"):
+        steps = metric_steps(client, run_id, key)
+        assert sorted(set(steps)) == list(range(max(steps) + 1)), (key, steps)  # no gap
+        assert (max(steps) + 1) % steps_per_epoch == 0 and max(steps) < steps_per_epoch * epochs
+        for step, count in steps.items():
+            if count > 1:  # a repeat: explained only by a restart at or before it, in the same epoch
+                assert any(m <= step < m + steps_per_epoch for m in markers), (key, step, count, markers)
+                assert count <= 1 + len(markers)
+    for marker, epoch in markers.items():
+        assert marker == (int(epoch) + 1) * steps_per_epoch  # the first step of the epoch after the checkpoint
+    val = metric_steps(client, run_id, "val/mean_nts")
+    assert sorted(val) == list(range(len(val))) and set(val.values()) == {1}, val  # one value per epoch
+    return sorted(markers)
+
+
+RAY_AUTH_ENV = ("RAY_AUTH_MODE", "RAY_AUTH_TOKEN", "RAY_AUTH_TOKEN_PATH")
+
+
 @contextmanager
 def ray_head(workdir: Path, num_cpus: int = 2):
     """A real `ray start --head` on 127.0.0.1; yields its address and stops it afterwards. When the block
-    raises (a failing assertion, a timeout), the node's logs are kept in workdir/ray-head-logs."""
+    raises (a failing assertion, a timeout), the node's logs are kept in workdir/ray-head-logs.
+
+    The cluster has a token of its own (workdir/ray-auth-token, Ray's token authentication): while the block
+    runs, this process's environment names it (RAY_AUTH_MODE=token, RAY_AUTH_TOKEN_PATH), so every process a
+    test starts inside it (a second node, tune.py, `ray list`) sends it. Nothing reads or writes ~/.ray: on a
+    machine that never ran Ray there is none, and a joining node then failed to start."""
     port, dashboard_port = free_port(), free_port()
+    token = workdir / "ray-auth-token"
+    token.write_text(secrets.token_hex(32))
+    token.chmod(0o600)
+    saved = {name: os.environ.pop(name, None) for name in RAY_AUTH_ENV}
+    os.environ.update({"RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN_PATH": str(token)})
     # Ray Train's PlacementGroupCleaner (on the head) asks Ray's state API whether the trial's controller is
     # alive; with no address it looks for the machine's Ray instance, and with two clusters running (the other
     # xdist worker's) its monitor thread dies on "Found multiple active Ray instances": a finished trial's
     # placement group then stays, and the next trial waits forever for its CPUs (two CI runs, session 11). The
     # head's processes are told their own API server.
     own_api = {"RAY_API_SERVER_ADDRESS": f"http://127.0.0.1:{dashboard_port}"}
-    with _ray_node(["--head", "--port", str(port), "--dashboard-port", str(dashboard_port),
-                    "--ray-client-server-port", str(free_port())], num_cpus, own_api, "head",
-                   logs_to=workdir / "ray-head-logs"):
-        yield f"127.0.0.1:{port}"
+    try:
+        with _ray_node(["--head", "--port", str(port), "--dashboard-port", str(dashboard_port),
+                        "--ray-client-server-port", str(free_port())], num_cpus, own_api, "head",
+                       logs_to=workdir / "ray-head-logs"):
+            yield f"127.0.0.1:{port}"
+    finally:
+        for name, value in saved.items():
+            os.environ.pop(name, None)
+            if value is not None:
+                os.environ[name] = value
 
 
 @contextmanager
 def ray_worker_node(address: str, num_cpus: int = 1, env: dict | None = None):
     """A second node joined to the cluster at `address` (`ray start --address`), on this machine with its own
     temporary folder; yields its process group (kill_ray_node takes it) and stops the node afterwards. `env`
-    reaches every process of the node, the workers Ray starts there included."""
-    # The head of a `ray start` cluster (Ray >= 2.59) asks for its token, which a joining node sends only in
-    # token mode; the token itself is ~/.ray/auth_token, which the head wrote.
-    with _ray_node(["--address", address], num_cpus, {"RAY_AUTH_MODE": "token", **(env or {})}, "worker") as group:
+    reaches every process of the node, the workers Ray starts there included. Inside ray_head's block: the
+    node sends the head's token."""
+    with _ray_node(["--address", address], num_cpus, env or {}, "worker") as group:
         yield group
 
 
@@ -194,7 +233,7 @@ def ray_list(address: str, what: str) -> list[dict]:
     import json
 
     listed = subprocess.run([str(Path(PYTHON).parent / "ray"), "list", what, "--format", "json", "--detail"],
-                            env={**os.environ, "RAY_ADDRESS": address, "RAY_AUTH_MODE": "token"},  # the API server: from GCS
+                            env={**os.environ, "RAY_ADDRESS": address},  # the API server: from GCS; the token: ray_head
                             capture_output=True, text=True, timeout=120)
     assert listed.returncode == 0, listed.stderr[-2000:]
     return [] if listed.stdout.startswith("No resource") else json.loads(listed.stdout)  # "No resource in the cluster"

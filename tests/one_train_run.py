@@ -12,14 +12,11 @@ spec continues from the run's last checkpoint, as a restarted trial does."""
 from __future__ import annotations
 
 import json
-import os
 import sys
 from dataclasses import asdict
 from pathlib import Path
 
-os.environ.setdefault("RAY_AUTH_MODE", "token")  # a `ray start` head asks for the token it wrote (as tune.py)
-
-import ray.train  # noqa: E402
+import ray.train  # noqa: E402  (the head's token: from the test's environment, tests/helpers.py: ray_head)
 
 from anchor_rm.config import ProtocolConfig  # noqa: E402
 from anchor_rm.data import PreferencePair  # noqa: E402

@@ -11,7 +11,7 @@ import mlflow
 import pytest
 from mlflow.tracking import MlflowClient
 
-from tuning.search import TrialOutcome, best_trial
+from tuning.search import SearchFailed, TrialOutcome, best_trial
 from tuning.trainable import DRIVER_RESOURCES, worker_resources
 
 
@@ -21,15 +21,67 @@ def _outcome(trial: str, nts: float, epochs: int = 2, lam: float | None = 1e-4, 
                         checkpoint, error)
 
 
-def test_best_trial_takes_full_runs_with_checkpoints_and_breaks_ties_by_smaller_lambda():
+def test_the_search_space_never_proposes_naive_w2s_or_a_configuration_twice():
+    """lambda = 0 is naive W2S, which the baselines train; with lambda = 0 the layer choice changes nothing. The
+    space (through Ray's OptunaSearch, as Tune asks it) proposes neither, and no configuration twice."""
+    import random
+
+    from tuning.space import LAMBDA_RANGE, LAYER_CHOICES, METRIC, make_searcher
+
+    searcher, rng, seen = make_searcher(seed=0), random.Random(0), set()
+    for i in range(40):
+        config = searcher.suggest(f"trial-{i}")
+        assert config["method"] == "anchor" and config["anchor_layers"] in LAYER_CHOICES, config
+        assert LAMBDA_RANGE[0] <= config["anchor_lambda"] <= LAMBDA_RANGE[1], config  # never 0
+        key = (config["anchor_lambda"], config["anchor_layers"])
+        assert key not in seen, (i, key)
+        seen.add(key)
+        searcher.on_trial_complete(f"trial-{i}", {METRIC: rng.uniform(-3, 3), "training_iteration": 2})
+
+
+def test_best_trial_takes_full_runs_with_checkpoints_and_breaks_ties_by_id_accuracy_then_smaller_lambda():
     trials = [_outcome("a", 3.0, epochs=1),  # stopped early by ASHA: its last epoch is not comparable
               _outcome("b", 2.0, lam=1e-3), _outcome("c", 2.0, lam=1e-5),  # a tie: the smaller lambda
               _outcome("d", 9.0, error="RuntimeError: boom"), _outcome("e", 8.0, checkpoint=None),
               _outcome("f", math.nan)]
     assert best_trial(trials).trial_id == "c"
     assert best_trial([_outcome("a", 1.0, epochs=1)]).trial_id == "a"  # only early-stopped ones: the best of them
-    with pytest.raises(RuntimeError, match="no trial finished with a checkpoint"):
+    naive = TrialOutcome("n", {"method": "naive", "anchor_lambda": None, "anchor_layers": None}, 2.0, 60.0, 2, "ckpt")
+    assert best_trial(trials + [naive]).trial_id == "n"  # tied on NTS and ID accuracy: the simpler model
+    sharper = _outcome("s", 2.0 + 1e-9, lam=1e-2)
+    sharper.val_id_acc = 61.0
+    assert best_trial(trials + [naive, sharper]).trial_id == "s"  # a float-noise tie: the higher val ID accuracy
+    with pytest.raises(SearchFailed, match=r"no trial finished with a checkpoint \(trial d: x; trial e: no checkpoint\)"):
         best_trial([_outcome("d", 9.0, error="x"), _outcome("e", 8.0, checkpoint=None)])
+
+
+class _Result:
+    """What Tune's ResultGrid yields for a trial (ray.tune.Result): config comes from its metrics."""
+
+    def __init__(self, metrics: dict | None, path: str, error: Exception | None = None):
+        self.metrics, self.path, self.error = metrics, path, error
+
+    @property
+    def config(self):  # as ray.air.result.Result.config: None when the trial reported nothing
+        return (self.metrics or {}).get("config")
+
+
+def test_a_trial_that_reported_nothing_is_an_error_named_by_its_folder_never_a_result():
+    from tuning.search import _outcomes
+
+    done = _Result({"trial_id": "t1", "val_mean_nts": 1.5, "val_id_acc": 60.0, "training_iteration": 2,
+                    "checkpoint_path": "/ckpt", "config": {"method": "naive", "other": 1}}, "/exp/trial_driver_t1")
+    killed = _Result(None, "/exp/trial_driver_t2")  # its driver died while Tune was creating it
+    failed = _Result({}, "/exp/trial_driver_t3", FileNotFoundError("Could not fetch metrics for trial_driver_t3"))
+    ok, nothing, error = _outcomes([done, killed, failed])
+    assert ok.config == {"method": "naive", "anchor_lambda": None, "anchor_layers": None} and ok.error is None
+    assert nothing.trial_id == "trial_driver_t2" and nothing.error == "the trial reported no result"
+    assert nothing.config == {"method": None, "anchor_lambda": None, "anchor_layers": None} and math.isnan(nothing.val_mean_nts)
+    assert error.trial_id == "trial_driver_t3" and "Could not fetch metrics" in error.error
+    assert best_trial([ok, nothing, error]) is ok
+    with pytest.raises(SearchFailed, match=r"trial trial_driver_t2: the trial reported no result; trial trial_driver_t3: "
+                                           r"Could not fetch metrics for trial_driver_t3\)\. `tune.py --resume` runs"):
+        best_trial([nothing, error])
 
 
 @pytest.mark.parametrize("nodes, concurrency, workers, expected", [
@@ -230,3 +282,78 @@ def test_main_job_settings_refuse_num_cpus_for_an_existing_cluster():
     with pytest.raises(ValueError, match="--num-cpus sizes the local Ray cluster; with --ray-address"):
         MainJobSettings(num_cpus=2, ray_address="127.0.0.1:6379")
     assert MainJobSettings(num_cpus=2).num_cpus == 2
+
+
+def test_the_selection_summary_says_whether_the_winner_is_distinguishable_from_naive_w2s():
+    from anchor_rm.report_files import _selection_lines
+    from tuning.final import selection_summary
+
+    naive = TrialOutcome("n", {"method": "naive", "anchor_lambda": None, "anchor_layers": None}, 1.0, 60.0, 2, "ckpt")
+    close, tie, far = _outcome("c", 2.0, lam=1e-3), _outcome("t", 2.0, lam=1e-2), _outcome("f", 12.0, lam=1.0)
+    summary = selection_summary(close, [close, tie, naive], naive, [200, 200, 200])
+    # three targets of 200 validation pairs: one target's difference has se 5.0 points at most, their mean 2.89
+    assert summary["difference_standard_error"] == pytest.approx(math.sqrt(3 * 50.0**2 * 2 / 200) / 3)
+    assert summary["difference_from_naive"] == 1.0 and summary["distinguishable_from_naive"] is False
+    assert [c["trial_id"] for c in summary["tied_with"]] == ["t"] and summary["candidates"] == 3
+    assert "tie (equal to 1e-6 points) goes to the higher validation ID accuracy" in summary["rule"]
+    text = "\n".join(_selection_lines(summary))
+    assert "**not distinguishable**" in text and "tied on validation mean NTS with ANCHOR last lambda=0.01" in text
+    assert selection_summary(far, [far, naive], naive, [200, 200, 200])["distinguishable_from_naive"] is True
+    own = selection_summary(naive, [naive], naive, [400])
+    assert own["distinguishable_from_naive"] is False and "Naive W2S itself was selected" in "\n".join(_selection_lines(own))
+    assert selection_summary(close, [close], None, [400])["distinguishable_from_naive"] is None
+
+
+TOKEN_PROBE = """
+import json, os, sys
+sys.path.insert(0, sys.argv[1])
+import tune
+tune.use_ray_token(sys.argv[2] or None)
+print(json.dumps({k: os.environ.get(k) for k in ("RAY_AUTH_MODE", "RAY_AUTH_TOKEN", "RAY_AUTH_TOKEN_PATH")}))
+"""
+
+
+@pytest.mark.parametrize("address, env, home_token, expected", [
+    ("", {}, False, {"RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN": "<own>"}),  # local: a token of its own
+    ("", {}, True, {"RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN": "<own>"}),  # ~/.ray's is neither read nor touched
+    ("", {"RAY_AUTH_TOKEN_PATH": "/t"}, False, {"RAY_AUTH_TOKEN_PATH": "/t"}),  # the user's choice stands
+    ("", {"RAY_AUTH_MODE": "disabled"}, False, {"RAY_AUTH_MODE": "disabled"}),
+    ("10.0.0.5:6379", {}, True, {"RAY_AUTH_MODE": "token"}),  # an existing cluster: the token at hand
+    ("10.0.0.5:6379", {}, False, {}),  # no token at hand: as Ray decides
+])
+def test_the_ray_token_of_a_local_cluster_is_its_own_and_the_users_is_left_alone(tmp_path, address, env, home_token,
+                                                                                 expected):
+    import json
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    home = tmp_path / "home"
+    (home / ".ray").mkdir(parents=True)
+    if home_token:
+        (home / ".ray" / "auth_token").write_text("the-users-token")
+    full_env = {k: v for k, v in os.environ.items() if not k.startswith("RAY_AUTH")}
+    full_env.update({"HOME": str(home), **env})
+    pipelines = str(Path(__file__).resolve().parents[1] / "pipelines")
+    probe = subprocess.run([sys.executable, "-c", TOKEN_PROBE, pipelines, address], env=full_env, capture_output=True,
+                           text=True, timeout=120)
+    assert probe.returncode == 0, probe.stderr[-2000:]
+    got = {k: v for k, v in json.loads(probe.stdout.splitlines()[-1]).items() if v is not None}
+    if expected.get("RAY_AUTH_TOKEN") == "<own>":
+        assert len(got.pop("RAY_AUTH_TOKEN")) == 64
+        expected = {k: v for k, v in expected.items() if k != "RAY_AUTH_TOKEN"}
+    assert got == expected
+    assert sorted(p.name for p in (home / ".ray").iterdir()) == (["auth_token"] if home_token else [])
+    if home_token:
+        assert (home / ".ray" / "auth_token").read_text() == "the-users-token"
+
+
+def test_the_nts_lambda_chart_draws_the_anchor_trials_and_the_baselines_as_lines(tmp_path):
+    from tuning.final import nts_lambda_chart, outcome_label
+
+    naive = TrialOutcome("n", {"method": "naive", "anchor_lambda": None, "anchor_layers": None}, 1.0, 60.0, 2, "ckpt")
+    anchor = [_outcome("a", 2.0, lam=1e-3), _outcome("b", math.nan, lam=1e-1), _outcome("c", -1.0, lam=3.0, epochs=1)]
+    path = nts_lambda_chart(anchor, [naive], tmp_path / "chart.png")
+    assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert outcome_label(naive) == "naive W2S" and outcome_label(anchor[0]) == "ANCHOR last lambda=0.001"

@@ -140,11 +140,12 @@ def test_a_trial_whose_tracking_server_stays_down_past_the_limit_fails_naming_it
     marker, spec = tmp_path / "hold", tmp_path / "spec.json"
     spec.write_text(json.dumps({"student": str(tiny_model_folder(tmp_path / "student", minilm_tokenizer)),
                                 "tracking_uri": uri, "run_id": run_id, "storage_path": str(tmp_path / "ray")}))
-    env = {**os.environ, "HF_HUB_OFFLINE": "1", OUTAGE_ENV: "3",
-           STEP_HOOK_ENV: f"{Path(__file__).parent / 'fault_hooks.py'}:hold_for_outage_at:1:{marker}"}
+    hook = {"HF_HUB_OFFLINE": "1", OUTAGE_ENV: "3",
+            STEP_HOOK_ENV: f"{Path(__file__).parent / 'fault_hooks.py'}:hold_for_outage_at:1:{marker}"}
     script = [PYTHON, str(Path(__file__).parent / "one_train_run.py")]
     try:
         with ray_head(tmp_path) as address:
+            env = {**os.environ, **hook}  # inside the block: with the head's token
             log_path = tmp_path / "first.log"
             with open(log_path, "w") as log:
                 first = subprocess.Popen([*script, address, str(spec)], cwd=tmp_path, env=env, stdout=log,

@@ -479,3 +479,22 @@ def test_bad_validation_blocks_are_named(mutate, message):
     mutate(data["validation"])
     with pytest.raises(ValueError, match=re.escape(message)):
         validate_report_dict(data)
+
+
+def test_a_search_selection_round_trips_is_rendered_and_its_fields_are_checked():
+    candidate = {"trial_id": "a1", "method": "anchor", "anchor_lambda": 1e-3, "anchor_layers": "last",
+                 "val_mean_nts": 1.01, "val_id_acc": 60.3}
+    selection = {"rule": "highest validation mean NTS; ties: higher val ID accuracy, then smaller lambda",
+                 "candidates": 4, "selected": candidate, "tied_with": [{**candidate, "trial_id": "a2", "anchor_lambda": 1e-2}],
+                 "naive_val_mean_nts": 1.01, "difference_from_naive": 0.0, "difference_standard_error": 2.89,
+                 "distinguishable_from_naive": False}
+    report = example_report(selection=selection)
+    again = report_from_dict(json.loads(json.dumps(report.to_dict())))
+    assert again.selection == selection and "selection" not in example_report().to_dict()
+    text = report_to_markdown(report)
+    assert "- Selection among 4 candidates: highest validation mean NTS; ties:" in text
+    assert "difference +0.00 ±2.89 points: **not distinguishable**" in text
+    data = report.to_dict()
+    data["selection"]["selected"].pop("val_id_acc")
+    with pytest.raises(ValueError, match="selection.selected"):
+        validate_report_dict(data)

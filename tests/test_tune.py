@@ -6,7 +6,7 @@ suite pays for the shared stages and the trials once:
 - a Ray Train worker SIGKILLed mid-epoch: the trial restarts from its last checkpoint;
 - the tune driver SIGKILLed after its first trial: `tune.py --resume` finishes the rest, nothing is redone or
   duplicated, the registry gets exactly one version;
-- the tracking server down for 60 s while a resumed trial trains: training goes on (under 5 s of it spent
+- the tracking server down while a resumed trial trains its next epoch: training goes on (under 5 s of it spent
   waiting for the server, measured by the worker) and every metric value still arrives, once;
 - the ANCHOR trials reading the frozen reference's states from the disk cache (`--reference-cache disk`);
 - a trial that raises inside its worker on every attempt: FAILED in MLflow through Tune itself, counted on
@@ -19,6 +19,7 @@ suite pays for the shared stages and the trials once:
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import signal
@@ -30,12 +31,11 @@ import pandas as pd
 import pytest
 from mlflow.tracking import MlflowClient
 
-from helpers import (PYTHON, ROOT, cluster_state, free_port, metric_steps, ray_head, run_pipeline,
-                     start_mlflow_server, stop_process_group)
+from helpers import (PYTHON, ROOT, assert_history_explained, cluster_state, free_port, metric_steps, ray_head,
+                     run_pipeline, start_mlflow_server, stop_process_group)
 from tuning.trainable import STEP_HOOK_ENV
 
 NAME = "anchor-rm-helpful"
-OUTAGE_S = 60  # the tracking server's outage during the resumed tune run
 KILL_STEP = 8  # smoke: 48 pairs, batch 8 -> 6 steps per epoch; step 8 is mid-way through epoch 1
 FAILING_RUN = 4  # the 4th Train run to take a step: the second ANCHOR sample (concurrency 1)
 
@@ -52,30 +52,28 @@ def _wait_for_line(path: Path, pattern: str, proc: subprocess.Popen, timeout: fl
     raise AssertionError(f"no line matching {pattern!r} within {timeout} s:\n{path.read_text()[-4000:]}")
 
 
+def _wait_for_saved_state(experiment: Path, trial_id: str, status: str, proc: subprocess.Popen,
+                          timeout: float = 600) -> None:
+    """Until Tune's saved experiment state (experiment_state-*.json under `experiment`) gives the trial `status`."""
+    deadline = time.time() + timeout
+    while time.time() < deadline:
+        for path in experiment.glob("*/experiment_state-*.json"):
+            try:
+                trials = [json.loads(row[0]) for row in json.loads(path.read_text())["trial_data"]]
+            except (OSError, ValueError, KeyError, IndexError):  # being written
+                continue
+            if any(t.get("trial_id") == trial_id and t.get("status") == status for t in trials):
+                return
+        if proc.poll() is not None:
+            raise AssertionError(f"tune.py exited with {proc.returncode} before Tune saved trial {trial_id} {status}")
+        time.sleep(0.2)
+    raise AssertionError(f"Tune did not save trial {trial_id} as {status} under {experiment} within {timeout} s")
+
+
 def _start_tune(args: list[str], env: dict, log_path: Path) -> subprocess.Popen:
     with open(log_path, "w") as log:  # stdout and stderr in one file, read while it runs
         return subprocess.Popen([PYTHON, str(ROOT / "pipelines" / "tune.py"), *args], cwd=log_path.parent, env=env,
                                 stdout=log, stderr=subprocess.STDOUT)
-
-
-def _assert_history_explained(client: MlflowClient, run_id: str, steps_per_epoch: int, epochs: int) -> list[int]:
-    """Every step of every epoch run is logged; a step logged twice follows a train/resumed_from_epoch marker
-    (the worker restarted from the checkpoint of that epoch and ran the next one again). Returns the marker
-    steps."""
-    markers = {m.step: m.value for m in client.get_metric_history(run_id, "train/resumed_from_epoch")}
-    for key in ("train/loss", "train/w2s_loss", "train/lr"):
-        steps = metric_steps(client, run_id, key)
-        assert sorted(set(steps)) == list(range(max(steps) + 1)), (key, steps)  # no gap
-        assert (max(steps) + 1) % steps_per_epoch == 0 and max(steps) < steps_per_epoch * epochs
-        for step, count in steps.items():
-            if count > 1:  # a repeat: explained only by a restart at or before it, in the same epoch
-                assert any(m <= step < m + steps_per_epoch for m in markers), (key, step, count, markers)
-                assert count <= 1 + len(markers)
-    for marker, epoch in markers.items():
-        assert marker == (int(epoch) + 1) * steps_per_epoch  # the first step of the epoch after the checkpoint
-    val = metric_steps(client, run_id, "val/mean_nts")
-    assert sorted(val) == list(range(len(val))) and set(val.values()) == {1}, val  # one value per epoch
-    return sorted(markers)
 
 
 def _histories(client: MlflowClient, trials) -> dict[str, list]:
@@ -116,8 +114,8 @@ def test_tune_through_a_killed_worker_a_killed_driver_an_outage_and_a_failing_tr
             driver = _start_tune(args, full_env, log_path)
             try:
                 finished = _wait_for_line(log_path, r"trial (\w+) finished", driver, timeout=900)
-                # Tune saves which trials finished every second (tuning/search.py); then the driver dies.
-                time.sleep(4)
+                # Tune saves which trials finished every second (tuning/search.py); once it has, the driver dies.
+                _wait_for_saved_state(tmp_path / "ray" / "faults", finished.group(1), "TERMINATED", driver)
                 driver.send_signal(signal.SIGKILL)
                 driver.wait(timeout=60)
             finally:
@@ -129,20 +127,23 @@ def test_tune_through_a_killed_worker_a_killed_driver_an_outage_and_a_failing_tr
             assert marker.exists(), "the fault hook never fired:\n" + first_log[-3000:]
             assert "registered:" not in first_log
 
-            # 2. --resume, and while its next trial trains, the tracking server goes away for OUTAGE_S seconds;
+            # 2. --resume, and while its next trial trains, the tracking server goes away until that trial has
+            # trained its next epoch (an event: an epoch takes seconds on one CPU and minutes on another);
             # at the end this driver is SIGKILLed right after the registry created the version, before its
-            # description, tags and alias (tests/kill_at_registration/sitecustomize.py).
+            # description, tags and alias (tests/kill_points/sitecustomize.py).
             resumed_at = time.time()
             resumed_path = tmp_path / "tune-resumed.log"
             killed_marker = tmp_path / "killed-at-registration"
-            kill_env = {**full_env, "ANCHOR_RM_TEST_KILL_AT_REGISTRATION": str(killed_marker),
-                        "PYTHONPATH": os.pathsep.join(filter(None, [str(Path(__file__).parent / "kill_at_registration"),
+            kill_env = {**full_env, "ANCHOR_RM_TEST_KILL_AT": f"registration:{killed_marker}",
+                        "PYTHONPATH": os.pathsep.join(filter(None, [str(Path(__file__).parent / "kill_points"),
                                                                      os.environ.get("PYTHONPATH")]))}
             driver = _start_tune([*args, "--resume"], kill_env, resumed_path)
             try:
                 running = _wait_for_line(resumed_path, r"trial (\w+) epoch 0:", driver, timeout=900).group(1)
                 stop_process_group(server)
-                time.sleep(OUTAGE_S)
+                down_at = time.time()
+                _wait_for_line(resumed_path, rf"trial {running} epoch 1:", driver, timeout=900)
+                outage_s = time.time() - down_at
                 before_restart = resumed_path.read_text()
                 server = start_mlflow_server(tmp_path, port)  # back, same port, same store
                 try:
@@ -155,7 +156,7 @@ def test_tune_through_a_killed_worker_a_killed_driver_an_outage_and_a_failing_tr
                     driver.kill()
             resumed = resumed_path.read_text()
             print(f"tune.py --resume SIGKILLed at registration {time.time() - resumed_at:.0f} s after start; tracking "
-                  f"server down {OUTAGE_S} s from trial {running}'s epoch 0 on")
+                  f"server down {outage_s:.0f} s from trial {running}'s epoch 0 on")
             assert returncode == -signal.SIGKILL and killed_marker.exists(), (returncode, resumed[-5000:])
             # the trial trained its next epoch while its metrics could not be delivered
             assert f"trial {running} epoch 1:" in before_restart, before_restart[-3000:]
@@ -178,7 +179,7 @@ def test_tune_through_a_killed_worker_a_killed_driver_an_outage_and_a_failing_tr
             assert not re.search(r"trial \w+ epoch", completed), completed[-3000:]
             assert "the final evaluation of an earlier driver of this experiment" in completed, completed[-3000:]
             assert f"registered: models:/{NAME}/1 (alias challenger)" in completed, completed[-3000:]
-            assert "| naive W2S |" in completed and "| confidence W2S |" in completed
+            assert re.search(r"\| naive W2S( \(selected\))? \|", completed) and "| confidence W2S |" in completed
             assert [str(v.version) for v in client.search_model_versions(f"name = '{NAME}'")] == ["1"]
             exp = client.get_experiment_by_name(NAME)
             parents = client.search_runs([exp.experiment_id], "tags.`anchor_rm.stage` = 'tune'")
@@ -203,7 +204,7 @@ def test_tune_through_a_killed_worker_a_killed_driver_an_outage_and_a_failing_tr
             assert restarted[0].data.tags["anchor_rm.resumed_from_epoch"] == "0"
             for trial in done:
                 assert trial.data.tags["anchor_rm.teacher_run"] and "train.method" in trial.data.params
-                markers = _assert_history_explained(client, trial.info.run_id, steps_per_epoch=6, epochs=2)
+                markers = assert_history_explained(client, trial.info.run_id, steps_per_epoch=6, epochs=2)
                 loss_steps = metric_steps(client, trial.info.run_id, "train/loss")
                 print(f"trial {trial.data.tags['anchor_rm.trial_id']}: train/loss steps {min(loss_steps)}..{max(loss_steps)}, "
                       f"logged twice: {sorted(k for k, v in loss_steps.items() if v > 1)}, resume markers at {markers}, "
@@ -211,16 +212,18 @@ def test_tune_through_a_killed_worker_a_killed_driver_an_outage_and_a_failing_tr
                 if trial.data.tags["anchor_rm.trial_id"] == running:  # trained through the outage
                     blocked = [m.value for m in client.get_metric_history(trial.info.run_id, "worker/tracking_blocked_s")]
                     print(f"trial {running}: training waited {max(blocked):.2f} s for the tracking server "
-                          f"during its {OUTAGE_S} s outage (worker/tracking_blocked_s {blocked})")
+                          f"during its {outage_s:.0f} s outage (worker/tracking_blocked_s {blocked})")
                     assert len(blocked) == 2 and max(blocked) < 5, blocked
                 if trial in restarted:
                     assert markers == [6]
                     assert max(loss_steps) == 11  # it finished epoch 1
 
             anchor_done = [t for t in done if t.data.tags["anchor_rm.method"] == "anchor"]
-            selected = re.search(r"selected \{'method': 'anchor', 'anchor_lambda': ([^,]+),", completed)
-            assert len(anchor_done) == 1 and selected, completed[-5000:]
-            assert float(selected.group(1)) == float(anchor_done[0].data.params["train.anchor_lambda"])
+            # the one ANCHOR trial that finished, or naive W2S: the winner on validation (tuning/search.py)
+            selected = re.search(r"selected \{'method': '(\w+)', 'anchor_lambda': ([^,]+),", completed)
+            assert len(anchor_done) == 1 and selected and selected.group(1) in ("anchor", "naive"), completed[-5000:]
+            if selected.group(1) == "anchor":
+                assert float(selected.group(2)) == float(anchor_done[0].data.params["train.anchor_lambda"])
 
             # 4. The registered version: selected among the finished trials, on validation, with its report.
             version = client.get_model_version_by_alias(NAME, "challenger")

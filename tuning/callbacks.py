@@ -59,7 +59,13 @@ def error_summary(trial) -> str:
 
 
 class ProgressLog(Callback):
-    """One line per reported epoch and per finished trial, for a terminal without Tune's tables."""
+    """One line per started trial, per reported epoch and per finished trial, for a terminal without Tune's
+    tables."""
+
+    def on_trial_start(self, iteration, trials, trial, **info):
+        cfg = trial.config
+        log.info("trial %s started: method=%s lambda=%s layers=%s", trial.trial_id, cfg.get("method"),
+                 cfg.get("anchor_lambda"), cfg.get("anchor_layers"))
 
     def on_trial_result(self, iteration, trials, trial, result, **info):
         done = sum(t.status in ("TERMINATED", "ERROR") for t in trials)

@@ -12,11 +12,12 @@ from pathlib import Path
 
 from anchor_rm.config import ProtocolConfig
 from anchor_rm.experiment import SharedStages, final_report
+from anchor_rm.metrics import difference_standard_error
 from anchor_rm.mlflow_edge import keys, runs
 from anchor_rm.mlflow_edge.registry import RegisteredVersion, log_and_register
 from anchor_rm.report import EvaluationReport
 from anchor_rm.workflow import load_saved
-from tuning.search import TrialOutcome, best_trial
+from tuning.search import SELECTION_RULE, TrialOutcome, best_trial, tied_with
 
 log = logging.getLogger("anchor_rm")
 
@@ -29,13 +30,42 @@ def checkpoint_folder(outcome: TrialOutcome, into: Path) -> Path:
 
 
 def evaluate_outcome(shared: SharedStages, outcome: TrialOutcome, folder: Path, student: str, teacher: str,
-                     eval_batch_size: int, train_config: dict, precision: str) -> EvaluationReport:
+                     eval_batch_size: int, train_config: dict, precision: str,
+                     selection: dict | None = None) -> EvaluationReport:
     rm = load_saved(folder)
     method = outcome.config.get("method")
     info = {"name": f"{student} ({method})", "student": student, "teacher": teacher, "method": method,
             "hyperparameters": {**train_config, **{k: v for k, v in outcome.config.items() if v is not None}},
             "run_id": None}
-    return final_report(shared, rm, info, eval_batch_size, precision, selection_splits="val")
+    return final_report(shared, rm, info, eval_batch_size, precision, selection_splits="val", selection=selection)
+
+
+def _candidate(outcome: TrialOutcome) -> dict:
+    return {"trial_id": outcome.trial_id, **outcome.config, "val_mean_nts": outcome.val_mean_nts,
+            "val_id_acc": outcome.val_id_acc}
+
+
+def selection_summary(selected: TrialOutcome, candidates: list[TrialOutcome], naive: TrialOutcome | None,
+                      val_sizes: list[int]) -> dict:
+    """The report's `selection` block: the rule, the winner, who tied with it, and whether its validation mean
+    NTS is distinguishable from naive W2S's. The standard error of that difference is the widest one for
+    the headline targets' validation sizes (accuracies at 50%, the two models independent): a difference
+    under 1.96 of them is not told apart from noise."""
+    se = math.sqrt(sum(difference_standard_error(50.0, n, 50.0, n) ** 2 for n in val_sizes)) / len(val_sizes)
+    naive_nts = None if naive is None or math.isnan(naive.val_mean_nts) else naive.val_mean_nts
+    difference = None if naive_nts is None else selected.val_mean_nts - naive_nts
+    return {"rule": SELECTION_RULE, "candidates": len(candidates), "selected": _candidate(selected),
+            "tied_with": [_candidate(o) for o in tied_with(selected, candidates)],
+            "naive_val_mean_nts": naive_nts, "difference_from_naive": difference,
+            "difference_standard_error": se,
+            "distinguishable_from_naive": (None if difference is None
+                                           else selected is not naive and abs(difference) > 1.96 * se)}
+
+
+def outcome_label(outcome: TrialOutcome) -> str:
+    if outcome.config.get("method") == "anchor":
+        return f"ANCHOR {outcome.config['anchor_layers']} lambda={outcome.config['anchor_lambda']:.2g}"
+    return f"{outcome.config.get('method')} W2S"
 
 
 def comparison_table(reports: dict[str, EvaluationReport]) -> str:
@@ -60,9 +90,8 @@ def comparison_table(reports: dict[str, EvaluationReport]) -> str:
 
 
 def nts_lambda_chart(outcomes: list[TrialOutcome], baselines: list[TrialOutcome], path: Path) -> Path:
-    """Validation mean NTS against lambda, one series per layer choice; baselines as horizontal lines.
-
-    lambda = 0 is drawn at the left edge (a log axis has no 0)."""
+    """Validation mean NTS against lambda, one series per layer choice; the baselines (naive W2S is lambda 0)
+    as horizontal lines."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -70,11 +99,9 @@ def nts_lambda_chart(outcomes: list[TrialOutcome], baselines: list[TrialOutcome]
 
     fig = Figure(figsize=(7, 4.2))
     ax = fig.add_subplot()
-    done = [o for o in outcomes if not math.isnan(o.val_mean_nts)]
-    positive = [o.config["anchor_lambda"] for o in done if o.config.get("anchor_lambda")]
-    zero_x = (min(positive) / 10) if positive else 1e-7
+    done = [o for o in outcomes if not math.isnan(o.val_mean_nts) and o.config.get("anchor_lambda")]
     for layers, marker in (("last", "o"), ("middle", "s")):
-        pts = sorted((o.config["anchor_lambda"] or zero_x, o.val_mean_nts, o.epochs) for o in done if o.config.get("anchor_layers") == layers)
+        pts = sorted((o.config["anchor_lambda"], o.val_mean_nts) for o in done if o.config.get("anchor_layers") == layers)
         if pts:
             ax.plot([p[0] for p in pts], [p[1] for p in pts], marker=marker, linestyle="-", label=f"ANCHOR {layers}")
     for b, style in zip(baselines, ("--", ":")):
@@ -82,7 +109,7 @@ def nts_lambda_chart(outcomes: list[TrialOutcome], baselines: list[TrialOutcome]
             ax.axhline(b.val_mean_nts, linestyle=style, color="grey", label=f"{b.config['method']} W2S")
     ax.axhline(0, color="black", linewidth=0.5)
     ax.set_xscale("log")
-    ax.set_xlabel(f"anchor lambda (lambda = 0 drawn at {zero_x:.0e})")
+    ax.set_xlabel("anchor lambda")
     ax.set_ylabel("mean OOD NTS on validation splits (points)")
     ax.set_title("NTS against lambda per layer choice (early-stopped trials at their last epoch)")
     ax.legend(fontsize=8)
@@ -107,14 +134,20 @@ class FinalResult:
 def register_selected(shared: SharedStages, cfg: ProtocolConfig, baselines: list[TrialOutcome],
                       anchor: list[TrialOutcome], registered_name: str, tune_run_id: str,
                       experiment_id: str) -> FinalResult:
-    """The post-search protocol, in a nested "final-evaluation" run of the active tune run: the best ANCHOR
-    trial by validation NTS (search.best_trial) and the baselines, each evaluated once on the test splits;
+    """The post-search protocol, in a nested "final-evaluation" run of the active tune run: the best of naive
+    W2S and the ANCHOR trials on validation (search.best_trial; the rule and the winner's distance from naive
+    W2S go into its report) and the baselines, each evaluated once on the test splits;
     the comparison, the chart and the trials as artifacts; the selected model registered with its report
     under the alias `challenger`. Registration is keyed on the tune run: a driver killed while registering
     and resumed finds its final-evaluation run again and completes that version instead of registering
     another."""
-    selected = best_trial(anchor)
-    log.info("selected %s (val mean NTS %+.2f)", selected.config, selected.val_mean_nts)
+    naive = next((b for b in baselines if b.config.get("method") == "naive"), None)
+    candidates = anchor + ([naive] if naive is not None else [])
+    selected = best_trial(candidates)
+    selection = selection_summary(selected, candidates, naive,
+                                  [len(shared.splits.ood[t]["val"]) for t in shared.headline_targets])
+    log.info("selected %s (val mean NTS %+.2f; %s from naive W2S on validation)", selected.config,
+             selected.val_mean_nts, "distinguishable" if selection["distinguishable_from_naive"] else "not distinguishable")
     earlier = runs.find_run(experiment_id, {keys.STAGE_TAG: "final", "mlflow.parentRunId": tune_run_id})
     if earlier is not None:
         log.info("the final evaluation of an earlier driver of this experiment (run %s) is done again in that run",
@@ -124,13 +157,13 @@ def register_selected(shared: SharedStages, cfg: ProtocolConfig, baselines: list
         runs.set_tags({keys.STAGE_TAG: "final", **shared.tags()})
         train_dict = cfg.student_train.to_dict()
         reports, folders = {}, {}
-        candidates = [("selected", selected)] + [(f"{b.config['method']} W2S", b) for b in baselines if b.checkpoint_path]
-        for label, outcome in candidates:
-            folders[label] = checkpoint_folder(outcome, Path(tmp) / label.replace(" ", "_"))
+        selected_label = f"{outcome_label(selected)} (selected)"
+        others = [(outcome_label(b), b) for b in baselines if b.checkpoint_path and b is not selected]
+        for label, outcome in [(selected_label, selected)] + others:
+            folders[label] = checkpoint_folder(outcome, Path(tmp) / label.split(" (")[0].replace(" ", "_"))
             reports[label] = evaluate_outcome(shared, outcome, folders[label], cfg.student, cfg.teacher,
-                                              cfg.eval_batch_size, train_dict, cfg.precision)
-        selected_label = f"ANCHOR {selected.config['anchor_layers']} lambda={selected.config['anchor_lambda']:.2g} (selected)"
-        reports = {selected_label if k == "selected" else k: v for k, v in reports.items()}
+                                              cfg.eval_batch_size, train_dict, cfg.precision,
+                                              selection if outcome is selected else None)
         report = reports[selected_label]
         report.model["run_id"] = final_run_id
         comparison = Path(tmp) / "comparison.md"
@@ -138,7 +171,7 @@ def register_selected(shared: SharedStages, cfg: ProtocolConfig, baselines: list
         chart = nts_lambda_chart(anchor, baselines, Path(tmp) / "nts_vs_lambda.png")
         trials = outcomes_json(baselines, anchor, Path(tmp) / "trials.json")
         runs.log_report(report)
-        version = log_and_register(folders["selected"], report, registered_name,
+        version = log_and_register(folders[selected_label], report, registered_name,
                                    extra_artifacts={"comparison.md": str(comparison), "nts_vs_lambda.png": str(chart),
                                                     "trials.json": str(trials)},
                                    registration_key=f"tune-run:{tune_run_id}")

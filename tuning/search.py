@@ -40,17 +40,26 @@ class TrialOutcome:
     error: str | None = None
 
 
+TRIAL_KEYS = ("method", "anchor_lambda", "anchor_layers")
+
+
 def _outcomes(grid) -> list[TrialOutcome]:
+    """One outcome per trial of a finished Tune experiment. A trial that reported nothing (it failed, or its
+    driver died, before its first epoch ended) has no metrics and so no config in Tune's result: it is an
+    outcome with an error, named by its folder, never read as a result."""
     outcomes = []
     for result in grid:
         metrics = result.metrics or {}
-        cfg = {k: result.config.get(k) for k in ("method", "anchor_lambda", "anchor_layers")}
+        config = result.config or {}
+        error = str(result.error) if result.error else None
+        if error is None and METRIC not in metrics:
+            error = "the trial reported no result"
         outcomes.append(TrialOutcome(
-            # a trial that failed before its first report has no metrics: its folder names it
-            trial_id=metrics.get("trial_id") or (Path(result.path).name if result.path else ""), config=cfg,
+            trial_id=metrics.get("trial_id") or (Path(result.path).name if result.path else ""),
+            config={k: config.get(k) for k in TRIAL_KEYS},
             val_mean_nts=float(metrics.get(METRIC, float("nan"))), val_id_acc=float(metrics.get("val_id_acc", float("nan"))),
             epochs=int(metrics.get("training_iteration", 0)), checkpoint_path=metrics.get("checkpoint_path"),
-            error=str(result.error) if result.error else None,
+            error=error,
         ))
     return outcomes
 
@@ -101,15 +110,43 @@ def run_search(payload: SharedPayload, *, num_samples: int, concurrency: int, re
     return _outcomes(baselines), _outcomes(anchor)
 
 
+class SearchFailed(RuntimeError):
+    """No trial of the search can be selected; the message names each trial, why, and what to do."""
+
+
+# How the search's winner is chosen, stated in every report it registers (tuning/final.py).
+SELECTION_RULE = ("the highest validation mean NTS among naive W2S and the ANCHOR trials that ran every epoch and "
+                  "left a checkpoint; a tie (equal to 1e-6 points) goes to the higher validation ID accuracy, then "
+                  "to the simpler model (the smaller lambda; naive W2S is lambda 0)")
+
+
 def best_trial(outcomes: list[TrialOutcome]) -> TrialOutcome:
-    """Highest validation mean NTS among trials that ran every epoch (an early-stopped trial's last epoch
-    is not comparable) and left a checkpoint; ties go to the smaller lambda."""
+    """The winner by SELECTION_RULE. Early-stopped trials are left out (their last epoch is not comparable
+    with a full run), unless no trial ran every epoch."""
     finished = [o for o in outcomes if o.error is None and o.checkpoint_path and o.val_mean_nts == o.val_mean_nts]
     if not finished:
-        raise RuntimeError("no trial finished with a checkpoint; see the Ray logs above")
+        why = "; ".join(f"trial {o.trial_id or '?'}: {_last_line(o.error or 'no checkpoint')}" for o in outcomes)
+        raise SearchFailed(f"no trial finished with a checkpoint ({why or 'no trials'}). `tune.py --resume` runs "
+                           "the failed trials again from their last checkpoints; Ray's logs above say why they failed")
     most_epochs = max(o.epochs for o in finished)
     full = [o for o in finished if o.epochs == most_epochs]
-    return max(full, key=lambda o: (o.val_mean_nts, -(o.config.get("anchor_lambda") or 0.0)))
+    return max(full, key=_selection_key)
+
+
+def _selection_key(outcome: TrialOutcome) -> tuple:
+    return round(outcome.val_mean_nts, 6), outcome.val_id_acc, -(outcome.config.get("anchor_lambda") or 0.0)
+
+
+def tied_with(selected: TrialOutcome, outcomes: list[TrialOutcome]) -> list[TrialOutcome]:
+    """The other finished full-length candidates whose validation mean NTS equals the winner's (the tie rule
+    decided between them)."""
+    return [o for o in outcomes if o is not selected and o.error is None and o.checkpoint_path
+            and o.epochs == selected.epochs and round(o.val_mean_nts, 6) == round(selected.val_mean_nts, 6)]
+
+
+def _last_line(text: str) -> str:
+    lines = [line.strip() for line in text.splitlines() if line.strip()]
+    return lines[-1][:300] if lines else "?"
 
 
 # Passed to every Ray worker, including those of a cluster started elsewhere (`ray start`).
