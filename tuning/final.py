@@ -146,8 +146,9 @@ def register_selected(shared: SharedStages, cfg: ProtocolConfig, baselines: list
     selected = best_trial(candidates)
     selection = selection_summary(selected, candidates, naive,
                                   [len(shared.splits.ood[t]["val"]) for t in shared.headline_targets])
-    log.info("selected %s (val mean NTS %+.2f; %s from naive W2S on validation)", selected.config,
-             selected.val_mean_nts, "distinguishable" if selection["distinguishable_from_naive"] else "not distinguishable")
+    verdict = {True: "distinguishable from", False: "not distinguishable from", None: "no comparison with"}
+    log.info("selected %s (val mean NTS %+.2f; %s naive W2S on validation)", selected.config,
+             selected.val_mean_nts, verdict[selection["distinguishable_from_naive"]])
     earlier = runs.find_run(experiment_id, {keys.STAGE_TAG: "final", "mlflow.parentRunId": tune_run_id})
     if earlier is not None:
         log.info("the final evaluation of an earlier driver of this experiment (run %s) is done again in that run",
