@@ -15,7 +15,7 @@ import numpy as np
 
 from anchor_rm.catalog import dataset_digest
 from anchor_rm.config import ProtocolConfig
-from anchor_rm.metrics import signal_targets
+from anchor_rm.metrics import HeadlineChoice, choose_headline_targets
 from anchor_rm.report import EvaluationReport, build_report
 from anchor_rm.mlflow_edge import keys, runs
 from anchor_rm.mlflow_edge.keys import cache_key
@@ -63,18 +63,24 @@ class SharedStages:
         return self.teacher.outputs["soft_labels"]
 
     @functools.cached_property
+    def headline(self) -> HeadlineChoice:
+        """Which OOD targets the mean NTS averages, in validation and in the test report alike, and why each
+        other one is flagged (metrics.choose_headline_targets: split sizes, and the strong ceiling's accuracy
+        on *validation*; without a ceiling, sizes alone)."""
+        sizes = {name: {split: len(pairs) for split, pairs in by_split.items()} for name, by_split in self.splits.ood.items()}
+        scores = self.ceiling_scores("val")
+        ceiling_val = None if scores is None else {name: s.accuracy for name, s in scores.items()}
+        choice = choose_headline_targets(sizes, ceiling_val, list(self.splits.ood))
+        for name, why in choice.flags.items():
+            log.info("OOD target %s: %s", name, why)
+        if choice.note:
+            log.warning("headline mean NTS: %s", choice.note)
+        log.info("headline mean NTS over: %s", ", ".join(choice.targets))
+        return choice
+
+    @property
     def headline_targets(self) -> list[str]:
-        """The OOD targets the mean NTS averages, in validation and in the test report alike: those on which
-        the strong ceiling reaches chance on *validation* (metrics.signal_targets). Without a ceiling, all."""
-        targets = list(self.splits.ood)
-        if self.ceiling_scores("val") is None:
-            return targets
-        ceiling_val = {name: s.accuracy for name, s in self.ceiling_scores("val").items()}
-        kept = signal_targets(ceiling_val, targets)
-        if not kept:
-            log.warning("the strong ceiling is below chance on every OOD target's validation split: no target "
-                        "carries transfer signal; the mean NTS keeps them all")
-        return kept or targets
+        return self.headline.targets
 
     def gap(self, split: str = "val") -> float | None:
         """Strong ceiling minus weak teacher on the ID split, in points (None without a ceiling)."""
@@ -192,6 +198,7 @@ def final_report(shared: SharedStages, rm: RewardModel, model_info: dict, eval_b
     digests = {k: v for k, v in shared.data.outputs["digests"].items()}
     return build_report(model_info, rows["test"], selection_splits=selection_splits, figure_splits="test",
                         data_digests=digests, headline_targets=shared.headline_targets,
+                        target_flags=shared.headline.flags, headline_note=shared.headline.note,
                         validation_results=rows["val"], selection=selection)
 
 

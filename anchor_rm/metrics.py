@@ -152,7 +152,7 @@ def transfer_metrics(
     must cover the same datasets: a target one of them was not evaluated on would otherwise drop out of
     the mean NTS silently. `headline_targets` (default: every target) are the ones the mean NTS averages:
     a target on which even the strong ceiling is below chance carries no transfer signal for this student
-    (see `signal_targets`); AOG and NTS are still given for every target.
+    (see `choose_headline_targets`); AOG and NTS are still given for every target.
     """
     if set(teacher_acc) != set(student_acc):
         raise ValueError(
@@ -193,14 +193,53 @@ def transfer_metrics(
 CHANCE = 50.0  # points: a pairwise accuracy a coin reaches
 
 
-def signal_targets(ceiling_acc: Mapping[str, float], targets: Sequence[str]) -> list[str]:
-    """The OOD targets on which the strong ceiling (the student on gold labels) is at or above chance.
+# The headline mean NTS (what Tune maximises and promotion gates on) averages only targets that can tell:
+# enough pairs that one accuracy's noise does not decide it (HHH harmless, about 29 test pairs with a standard
+# error near 9 points, carried 76% of the variance of the harmless study's primary comparison), and a strong
+# ceiling clearly above chance on validation (below that, a gain over the teacher measures nothing this
+# student can transfer). Decided on validation accuracies and split sizes, never on test accuracies.
+HEADLINE_MIN_PAIRS = {"val": 200, "test": 400}
+SIGNAL_STANDARD_ERRORS = 2.0
 
-    Where even the ceiling ranks the worse response first more often than not, a gain over the teacher
-    measures nothing this student can transfer; such a target stays in the report, flagged, and out of the
-    headline mean NTS. Decide this on validation accuracies, never on test.
-    """
-    return [name for name in targets if ceiling_acc.get(name) is None or ceiling_acc[name] >= CHANCE]
+
+@dataclass(frozen=True)
+class HeadlineChoice:
+    targets: list[str]  # what the headline mean NTS averages
+    flags: dict[str, str]  # target -> why it is flagged (left out, or kept only by the fallback)
+    note: str | None = None  # set when no target passed every check and a fallback chose
+
+
+def choose_headline_targets(sizes: Mapping[str, Mapping[str, int]], ceiling_val: Mapping[str, float] | None,
+                            targets: Sequence[str]) -> HeadlineChoice:
+    """The OOD targets the headline mean NTS averages: at least HEADLINE_MIN_PAIRS validation and test pairs
+    (`sizes`: target -> {"val": n, "test": n}), and, where the strong ceiling was measured (`ceiling_val`:
+    target -> its validation accuracy), the ceiling above chance by more than SIGNAL_STANDARD_ERRORS standard
+    errors of a chance accuracy on that many pairs. Every other target stays in the report, flagged with why.
+
+    When no target passes, the headline still needs one: the targets of headline size (their missing signal
+    flagged), else every target; `note` says which, so that a reader takes the figure for noise."""
+    too_small, no_signal = {}, {}
+    for name in targets:
+        n_val, n_test = sizes[name]["val"], sizes[name]["test"]
+        if n_val < HEADLINE_MIN_PAIRS["val"] or n_test < HEADLINE_MIN_PAIRS["test"]:
+            too_small[name] = (f"too small for the headline: {n_val} validation and {n_test} test pairs, under "
+                               f"{HEADLINE_MIN_PAIRS['val']} and {HEADLINE_MIN_PAIRS['test']}")
+        elif ceiling_val is not None and ceiling_val.get(name) is not None:
+            margin = SIGNAL_STANDARD_ERRORS * accuracy_standard_error(CHANCE, n_val)
+            if ceiling_val[name] - CHANCE <= margin:
+                no_signal[name] = (f"no clear transfer signal: the strong ceiling scores {ceiling_val[name]:.1f} on "
+                                   f"its {n_val} validation pairs, not above chance by {SIGNAL_STANDARD_ERRORS:g} "
+                                   f"standard errors ({margin:.1f} points)")
+    flags = {**too_small, **no_signal}
+    passed = [name for name in targets if name not in flags]
+    if passed:
+        return HeadlineChoice(passed, flags)
+    sized = [name for name in targets if name not in too_small]
+    if sized:
+        return HeadlineChoice(sized, flags, "no target of headline size shows a clear transfer signal: the headline "
+                                            "averages the targets of headline size anyway; read it as noise")
+    return HeadlineChoice(list(targets), flags, "no target has headline size: the headline averages every target; "
+                                                "read it as noise")
 
 
 def difference_standard_error(a_points: float, n_a: int, b_points: float, n_b: int) -> float:

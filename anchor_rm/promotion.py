@@ -150,18 +150,24 @@ def _champion_gates(candidate: EvaluationReport, champion: VersionEvidence) -> l
                      f"{label}'s report has no validation rows (registered before promotion compared validation "
                      "splits): nothing to compare against on validation; promote once with --force")]
     our_digest, their_digest = validation_splits_digest(candidate), validation_splits_digest(theirs)
-    ours, their = candidate.validation["mean_nts"], theirs.validation["mean_nts"]
+    ours = candidate.validation["mean_nts"]
     if our_digest != their_digest:
+        their = theirs.validation["mean_nts"]
         return [
             Gate("validation splits", False,
                  f"report for other validation splits: candidate digest {our_digest} on "
                  f"{_validation_summary(candidate)}; {label} digest {their_digest} on {_validation_summary(theirs)}"),
             Gate("mean OOD NTS (val)", False, f"{ours:+.2f} vs {their:+.2f}: not comparable (different validation splits)"),
         ]
+    # Both over the candidate's headline targets: a champion registered under another headline rule averaged
+    # other targets, and its validation rows give its mean over these.
+    their = theirs.validation_mean_nts(candidate.headline_targets)
+    same_headline = sorted(candidate.headline_targets or []) == sorted(theirs.headline_targets or [])
+    over = "" if same_headline else f" over the candidate's headline targets {candidate.headline_targets}"
     nts_passed = ours >= their - _TOLERANCE
     return [
         Gate("validation splits", True, f"same validation splits as {label} (digest {our_digest})"),
-        Gate("mean OOD NTS (val)", nts_passed, f"{ours:+.2f} {'>=' if nts_passed else '<'} {their:+.2f} ({label})"),
+        Gate("mean OOD NTS (val)", nts_passed, f"{ours:+.2f} {'>=' if nts_passed else '<'} {their:+.2f} ({label}){over}"),
     ]
 
 

@@ -64,8 +64,13 @@ class EvaluationReport:
     data_digests: dict[str, str] = field(default_factory=dict)
     schema_version: str = SCHEMA_VERSION
     kind: str = PROTOCOL  # "protocol" (strict, training and tuning) or "evaluation" (evaluate.py)
-    # The OOD targets mean_nts averages; None: every OOD target (metrics.signal_targets decides, on val)
+    # The OOD targets mean_nts averages; None: every OOD target (metrics.choose_headline_targets decides, on
+    # split sizes and validation accuracies)
     headline_targets: list[str] | None = None
+    # Why an OOD target is flagged (left out of the headline, or kept in it only by a fallback); and the
+    # fallback's note. Empty / None in reports written before 2026-12-03.
+    target_flags: dict[str, str] = field(default_factory=dict)
+    headline_note: str | None = None
     # The same models on the validation splits (protocol reports): what promotion compares; None in reports
     # written before these rows existed, and in evaluation reports.
     validation_splits: list[SplitResult] | None = None
@@ -79,6 +84,12 @@ class EvaluationReport:
         if self.validation_splits is None:
             return None
         return _derive_metrics([asdict(row) for row in self.validation_splits], PROTOCOL, self.headline_targets)
+
+    def validation_mean_nts(self, headline_targets: list[str] | None) -> float | None:
+        """The validation mean NTS over other headline targets (promotion compares two versions on one set)."""
+        if self.validation_splits is None:
+            return None
+        return _derive_metrics([asdict(row) for row in self.validation_splits], PROTOCOL, headline_targets)["mean_nts"]
 
     @property
     def validation_id_split(self) -> SplitResult | None:
@@ -110,6 +121,8 @@ class EvaluationReport:
             "nts": dict(self.nts),
             "mean_nts": self.mean_nts,
             **({"headline_targets": list(self.headline_targets)} if self.headline_targets is not None else {}),
+            **({"target_flags": dict(self.target_flags)} if self.target_flags else {}),
+            **({"headline_note": self.headline_note} if self.headline_note else {}),
             "pgr": self.pgr,
             **({"validation": {"splits": [asdict(row) for row in self.validation_splits],
                                "wrg": self.validation["wrg"], "mean_nts": self.validation["mean_nts"]}}
@@ -227,6 +240,9 @@ def _consistency_errors(report_dict: dict[str, Any]) -> list[str]:
     ood_names = [row["dataset"] for row in rows if row["role"] == "ood"]
     if headline is not None and (set(headline) - set(ood_names) or report_dict.get("kind", PROTOCOL) != PROTOCOL):
         return [f"headline_targets: {headline} must name OOD datasets of a protocol report ({ood_names})"]
+    flagged = sorted(set(report_dict.get("target_flags", {})) - set(ood_names))
+    if flagged:
+        return [f"target_flags: {flagged} are not OOD datasets of this report ({ood_names})"]
     errors += _validation_errors(report_dict, names, headline)
     derived = _derive_metrics(rows, report_dict.get("kind", PROTOCOL), headline)
     for key in ("wrg", "mean_nts", "pgr"):
@@ -341,12 +357,15 @@ def build_report(
     headline_targets: list[str] | None = None,
     validation_results: list[SplitResult] | None = None,
     selection: dict[str, Any] | None = None,
+    target_flags: dict[str, str] | None = None,
+    headline_note: str | None = None,
 ) -> EvaluationReport:
     """Assemble a report and compute WRG, AOG, NTS, mean NTS and PGR (ID) from the rows.
 
     `validation_results` (protocol reports): the same models on the validation splits, kept beside the
     figures for what may select (promotion); the figures themselves stay on `figure_splits`. `selection`:
-    how a search chose this model (tuning/final.py: selection_summary).
+    how a search chose this model (tuning/final.py: selection_summary). `target_flags` and `headline_note`:
+    why OOD targets are flagged (metrics.choose_headline_targets).
 
     kind="protocol" (training, tuning): `results` holds exactly one row with role "id" and at least one
     "ood" row, all on `figure_splits`, each with a teacher accuracy. kind="evaluation" (any model on any
@@ -384,6 +403,8 @@ def build_report(
         validation_splits=None if validation_results is None else [_split_result_from_dict(asdict(row))
                                                                    for row in validation_results],
         selection=None if selection is None else dict(selection),
+        target_flags=dict(target_flags or {}),
+        headline_note=headline_note,
         **derived,
     )
     report.to_dict()  # validates the whole report
@@ -430,6 +451,8 @@ def report_from_dict(report_dict: dict[str, Any]) -> EvaluationReport:
         validation_splits=([_split_result_from_dict(row) for row in report_dict["validation"]["splits"]]
                            if "validation" in report_dict else None),
         selection=report_dict.get("selection"),
+        target_flags=dict(report_dict.get("target_flags", {})),
+        headline_note=report_dict.get("headline_note"),
     )
 
 

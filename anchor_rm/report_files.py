@@ -61,7 +61,7 @@ def report_to_markdown(report: EvaluationReport) -> str:
         cells += [_accuracy_cell(row.ceiling_accuracy, row.n_pairs)] if has_ceiling else []
         gain_se = (f" ±{difference_standard_error(row.student_accuracy, row.n_pairs, row.teacher_accuracy, row.n_pairs):.1f}"
                    if row.teacher_accuracy is not None else "")
-        flag = "" if row.dataset not in _left_out(report) else " (no signal)"
+        flag = _row_flag(report, row.dataset)
         cells += [f"{report.aog[row.dataset]:+.1f}{gain_se}" if row.dataset in report.aog else "-"] if has_aog else []
         cells += [f"{report.nts[row.dataset]:+.1f}{gain_se}{flag}" if row.dataset in report.nts else "-"] if has_nts else []
         cells.append(f"{row.student_tie_rate:.1f}")
@@ -100,15 +100,31 @@ def _left_out(report: EvaluationReport) -> list[str]:
     return [name for name in report.nts if name not in report.headline_targets]
 
 
+def _row_flag(report: EvaluationReport, dataset: str) -> str:
+    left_out = dataset in _left_out(report)
+    why = report.target_flags.get(dataset)
+    if why is None:  # a report written before flags were kept: the only reason then was the ceiling
+        return " (no signal)" if left_out else ""
+    kind = "too small" if why.startswith("too small") else "no clear signal"
+    return f" (left out: {kind})" if left_out else f" (flagged: {kind})"
+
+
 def _protocol_summary(report: EvaluationReport) -> list[str]:
     idr = report.id_split
     wrg_se = difference_standard_error(idr.student_accuracy, idr.n_pairs, idr.teacher_accuracy, idr.n_pairs)
     left_out = _left_out(report)
+    headline = [name for name in report.nts if name not in left_out]
     lines = [
         f"- WRG (student - teacher, ID `{idr.dataset}`): {report.wrg:+.1f} ±{wrg_se:.1f} points",
-        f"- Mean NTS over {len(report.nts) - len(left_out)} OOD targets: {report.mean_nts:+.1f} points",
+        f"- Mean NTS over {len(headline)} OOD targets ({', '.join(f'`{n}`' for n in headline)}): "
+        f"{report.mean_nts:+.1f} points",
     ]
-    if left_out:
+    if report.headline_note:
+        lines.append(f"- **Headline fallback**: {report.headline_note}.")
+    for name, why in report.target_flags.items():
+        lines.append(f"- `{name}` {'left out of' if name in left_out else 'kept in'} the mean NTS, {why}; its row is "
+                     "still shown")
+    if left_out and not report.target_flags:
         lines.append(f"- Left out of the mean NTS, no transfer signal: {', '.join(f'`{n}`' for n in left_out)} (the "
                      "strong ceiling is below chance on its validation split; its row is still shown)")
     if idr.ceiling_accuracy is not None:

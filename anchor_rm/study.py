@@ -195,6 +195,7 @@ def run_instance(study: StudyConfig, category: str, seed: int, experiment_id: st
         "ceiling_scores": shared.ceiling.outputs["scores"] if shared.ceiling else None,
         "ceiling_run_id": shared.ceiling.run_id if shared.ceiling else None,
         "headline_targets": shared.headline_targets,
+        "target_flags": shared.headline.flags, "headline_note": shared.headline.note,
         "students": students,
     }
 

@@ -23,7 +23,8 @@ DIGESTS = {"hh-helpful-base/id_test": "a" * 64, "ultrafeedback/test": "b" * 64, 
 
 def make_report(id_acc: float = 60.0, ood: tuple[float, ...] = (55.0, 53.0), *, teacher_id: float = 60.0,
                 targets: tuple[str, ...] = ("ultrafeedback", "pandalm"), digests: dict | None = None,
-                method: str = "anchor", test_ood: tuple[float, ...] | None = None, validation: bool = True):
+                method: str = "anchor", test_ood: tuple[float, ...] | None = None, validation: bool = True,
+                headline: list[str] | None = None):
     """A report whose OOD teachers score 50: validation mean NTS (what the gates read) =
     mean(ood) - 50 - max(0, teacher_id - id_acc). Its test figures are the same unless `test_ood` says."""
     def rows(split: str, accuracies, sizes):
@@ -33,7 +34,8 @@ def make_report(id_acc: float = 60.0, ood: tuple[float, ...] = (55.0, 53.0), *, 
     model = {"name": NAME, "student": "tiny-bert", "teacher": "tiny-teacher", "method": method, "hyperparameters": {}}
     return build_report(model, rows("test", test_ood or ood, (470, 500, 300)), selection_splits="val",
                         figure_splits="test", data_digests=DIGESTS if digests is None else digests,
-                        validation_results=rows("val", ood, (300, 200, 200)) if validation else None)
+                        validation_results=rows("val", ood, (300, 200, 200)) if validation else None,
+                        headline_targets=headline)
 
 
 @pytest.fixture
@@ -93,6 +95,21 @@ def test_gates_are_pure_functions_of_two_reports():
     # no champion: the validation rows and the ID gate
     assert [g.name for g in promotion.judge(make_report(id_acc=58.0), None)] == ["validation rows", "ID accuracy (val)"]
     assert not promotion.judge(make_report(id_acc=59.5), None, max_id_drop=0.0)[-1].passed
+
+
+def test_the_champion_is_judged_over_the_candidates_headline_targets():
+    """A champion registered under another headline rule averaged other targets: its validation rows give its
+    mean over the candidate's."""
+    # champion: ultrafeedback NTS +10, pandalm -4; mean over both +3, over ultrafeedback alone +10
+    champion = promotion.VersionEvidence("1", make_report(ood=(60.0, 46.0)))
+    candidate = make_report(ood=(58.0, 60.0), headline=["ultrafeedback"])  # +8 over its headline (+9 over both)
+    (nts_gate,) = [g for g in promotion.judge(candidate, champion) if g.name == "mean OOD NTS (val)"]
+    assert not nts_gate.passed and nts_gate.detail == ("+8.00 < +10.00 (champion v1) over the candidate's headline "
+                                                       "targets ['ultrafeedback']")
+    same = promotion.judge(make_report(ood=(61.0, 40.0), headline=["ultrafeedback"]),
+                           promotion.VersionEvidence("1", make_report(ood=(60.0, 46.0), headline=["ultrafeedback"])))
+    assert all(g.passed for g in same)
+    assert [g.detail for g in same if g.name == "mean OOD NTS (val)"] == ["+11.00 >= +10.00 (champion v1)"]
 
 
 def test_gates_read_validation_never_test():

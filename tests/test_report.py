@@ -175,7 +175,7 @@ def test_markdown_lists_every_row_and_the_summary():
     assert "| hh-helpful-online | ood | test | 300 | 62.0 ±2.8 | 61.0 ±2.8 | - | -1.0 ±4.0 | -6.0 ±4.0 | 4.0 |" in text
     assert "WRG (student - teacher, ID `hh-helpful-base`): -5.0 ±3.2 points" in text
     assert "Ceiling - teacher (ID): +10.0 ±3.1 points" in text
-    assert "Mean NTS over 2 OOD targets: -1.5 points" in text
+    assert "Mean NTS over 2 OOD targets (`ultrafeedback`, `hh-helpful-online`): -1.5 points" in text
     assert "PGR (ID): -0.50" in text
     assert "model selection used `val`" in text and "comes from `test`" in text
     assert "anchor-last" in text and "`lambda=0.5`" in text and "0123abcd" in text
@@ -423,8 +423,8 @@ def test_headline_targets_leave_a_no_signal_target_out_of_the_mean_nts(tmp_path)
     assert report.mean_nts == pytest.approx(report.nts["ultrafeedback"])
     assert set(report.nts) == {"ultrafeedback", "hh-helpful-online"}  # still computed for every target
     text = report_to_markdown(report)
-    assert "Mean NTS over 1 OOD targets: +3.0 points" in text
-    assert "Left out of the mean NTS, no transfer signal: `hh-helpful-online`" in text
+    assert "Mean NTS over 1 OOD targets (`ultrafeedback`): +3.0 points" in text
+    assert "Left out of the mean NTS, no transfer signal: `hh-helpful-online`" in text  # no flags kept: as before
     assert "| -6.0 ±4.0 (no signal) |" in text
     paths = write_report(report, tmp_path)
     assert read_report(paths["json"]).headline_targets == ["ultrafeedback"]
@@ -441,11 +441,47 @@ def test_headline_targets_leave_a_no_signal_target_out_of_the_mean_nts(tmp_path)
         report_from_dict(raw)  # absent: the mean is over every target
 
 
-def test_signal_targets_are_those_where_the_ceiling_is_at_or_above_chance():
-    from anchor_rm.metrics import signal_targets
+def test_headline_targets_need_headline_size_and_a_ceiling_clearly_above_chance():
+    from anchor_rm.metrics import choose_headline_targets
 
-    assert signal_targets({"a": 49.9, "b": 50.0, "c": 71.0}, ["a", "b", "c"]) == ["b", "c"]
-    assert signal_targets({}, ["a"]) == ["a"]  # no ceiling measured: nothing to exclude
+    sizes = {"big": {"val": 200, "test": 400}, "weak": {"val": 200, "test": 400}, "tiny": {"val": 29, "test": 29},
+             "short": {"val": 200, "test": 399}}
+    # 2 standard errors of a chance accuracy on 200 pairs: 7.07 points
+    choice = choose_headline_targets(sizes, {"big": 57.5, "weak": 57.0, "tiny": 90.0, "short": 70.0},
+                                     ["big", "weak", "tiny", "short"])
+    assert choice.targets == ["big"] and choice.note is None
+    assert choice.flags["tiny"] == "too small for the headline: 29 validation and 29 test pairs, under 200 and 400"
+    assert choice.flags["short"].startswith("too small for the headline: 200 validation and 399 test pairs")
+    assert choice.flags["weak"] == ("no clear transfer signal: the strong ceiling scores 57.0 on its 200 validation "
+                                    "pairs, not above chance by 2 standard errors (7.1 points)")
+    assert choose_headline_targets(sizes, None, ["big", "weak", "tiny"]).targets == ["big", "weak"]  # no ceiling: sizes
+    # nothing passes: the targets of headline size, else all, with a note saying so
+    fallback = choose_headline_targets(sizes, {"big": 50.0, "weak": 41.0}, ["big", "weak", "tiny"])
+    assert fallback.targets == ["big", "weak"] and "no target of headline size shows" in fallback.note
+    assert set(fallback.flags) == {"big", "weak", "tiny"}
+    small = choose_headline_targets(sizes, {}, ["tiny", "short"])
+    assert small.targets == ["tiny", "short"] and small.note.startswith("no target has headline size")
+
+
+def test_target_flags_are_kept_rendered_and_checked(tmp_path):
+    flags = {"hh-helpful-online": "too small for the headline: 200 validation and 399 test pairs, under 200 and 400"}
+    report = build_report(MODEL_INFO, split_rows(), selection_splits="val", figure_splits="test",
+                          headline_targets=["ultrafeedback"], target_flags=flags)
+    text = report_to_markdown(report)
+    assert "| -6.0 ±4.0 (left out: too small) |" in text
+    assert "- `hh-helpful-online` left out of the mean NTS, too small for the headline: 200 validation" in text
+    paths = write_report(report, tmp_path)
+    again = read_report(paths["json"])
+    assert again.target_flags == flags and again.headline_note is None
+    noted = build_report(MODEL_INFO, split_rows(), selection_splits="val", figure_splits="test",
+                         target_flags={"ultrafeedback": "no clear transfer signal: ..."}, headline_note="read it as noise")
+    text = report_to_markdown(noted)
+    assert "**Headline fallback**: read it as noise." in text and "(flagged: no clear signal)" in text
+    assert "`ultrafeedback` kept in the mean NTS, no clear transfer signal" in text
+    raw = json.loads(paths["json"].read_text())
+    raw["target_flags"] = {"pandalm": "too small"}
+    with pytest.raises(ValueError, match=r"target_flags: \['pandalm'\] are not OOD datasets"):
+        report_from_dict(raw)
 
 
 def validation_rows():
