@@ -15,7 +15,7 @@ import numpy as np
 
 from anchor_rm.catalog import dataset_digest
 from anchor_rm.config import ProtocolConfig
-from anchor_rm.metrics import HeadlineChoice, choose_headline_targets
+from anchor_rm.metrics import HeadlineChoice, calibration, choose_headline_targets
 from anchor_rm.report import EvaluationReport, build_report
 from anchor_rm.mlflow_edge import keys, runs
 from anchor_rm.mlflow_edge.keys import cache_key
@@ -61,6 +61,11 @@ class SharedStages:
     @property
     def soft_labels(self) -> list[float]:
         return self.teacher.outputs["soft_labels"]
+
+    @property
+    def teacher_calibration(self) -> dict | None:
+        """The teacher's soft labels against gold on ID validation (metrics.calibration), with the split."""
+        return self.teacher.outputs.get("calibration")
 
     @functools.cached_property
     def headline(self) -> HeadlineChoice:
@@ -145,8 +150,11 @@ def _gold_stage(stage: str, model_name: str, train_cfg: TrainConfig, cfg: Protoc
                 eval_splits: tuple[str, ...] = ("val", "test")) -> StageRun:
     """Trains `model_name` on gold labels and scores it on `eval_splits`: validation for the tuning objective,
     the gap gate and the headline targets, test for the report."""
+    # The teacher (label_pairs given) also measures its calibration on ID validation: part of its key, so that a
+    # teacher stage cached before it did is computed again once.
+    calibrated = () if label_pairs is None else ("calibration:id_val",)
     key = cache_key(STAGE_VERSION, stage, data.outputs["digests"], model_name, train_cfg.to_dict(), cfg.eval_batch_size,
-                    eval_splits, cfg.precision)
+                    eval_splits, cfg.precision, *calibrated)
 
     def compute() -> dict:
         log.info("%s: training %s on %d gold pairs", stage, model_name, len(train_pairs))
@@ -162,6 +170,9 @@ def _gold_stage(stage: str, model_name: str, train_cfg: TrainConfig, cfg: Protoc
             outputs["soft_labels"] = labels.tolist()
             runs.log_metrics({"soft_labels/mean": float(np.mean(labels)),
                               "soft_labels/agree_with_gold": float(np.mean(labels > 0.5) * 100)})
+            measured = calibration(soft_labels(rm, splits.id_val, cfg.eval_batch_size, cfg.precision))
+            outputs["calibration"] = {"dataset": splits.source, "split": "val", **measured}
+            runs.log_metrics({"calibration/ece": measured["ece"], "calibration/mean_margin": measured["mean_margin"]})
         runs.log_reward_model(rm, {"stage": stage})
         return outputs
 
@@ -199,6 +210,7 @@ def final_report(shared: SharedStages, rm: RewardModel, model_info: dict, eval_b
     return build_report(model_info, rows["test"], selection_splits=selection_splits, figure_splits="test",
                         data_digests=digests, headline_targets=shared.headline_targets,
                         target_flags=shared.headline.flags, headline_note=shared.headline.note,
+                        teacher_calibration=shared.teacher_calibration,
                         validation_results=rows["val"], selection=selection)
 
 

@@ -195,7 +195,7 @@ CHANCE = 50.0  # points: a pairwise accuracy a coin reaches
 
 # The headline mean NTS (what Tune maximises and promotion gates on) averages only targets that can tell:
 # enough pairs that one accuracy's noise does not decide it (HHH harmless, about 29 test pairs with a standard
-# error near 9 points, carried 76% of the variance of the harmless study's primary comparison), and a strong
+# error near 9 points, carried 83% of the variance of the harmless study's primary comparison), and a strong
 # ceiling clearly above chance on validation (below that, a gain over the teacher measures nothing this
 # student can transfer). Decided on validation accuracies and split sizes, never on test accuracies.
 HEADLINE_MIN_PAIRS = {"val": 200, "test": 400}
@@ -240,6 +240,29 @@ def choose_headline_targets(sizes: Mapping[str, Mapping[str, int]], ceiling_val:
                                             "averages the targets of headline size anyway; read it as noise")
     return HeadlineChoice(list(targets), flags, "no target has headline size: the headline averages every target; "
                                                 "read it as noise")
+
+
+def calibration(q: Sequence[float] | np.ndarray, bins: int = 10) -> dict[str, float]:
+    """How a teacher's soft labels q = P(chosen preferred), on gold pairs (chosen is the better response),
+    match how often it is right.
+
+    - `ece`: expected calibration error over `bins` equal-width bins of the confidence max(q, 1 - q) in
+      [0.5, 1]: sum over bins of (share of pairs) * |accuracy - mean confidence|, as a fraction;
+    - `mean_margin`: mean |q - 0.5|, how far from indifferent the labels are (0: every label 0.5);
+    - `accuracy` (points; q = 0.5 counts as wrong, as a tie does) and `mean_confidence`.
+    """
+    q = np.asarray(q, dtype=float)
+    if q.ndim != 1 or q.size == 0 or not np.all(np.isfinite(q)) or np.any((q < 0) | (q > 1)):
+        raise ValueError(f"q: expected a non-empty 1-D sequence of probabilities in [0, 1], got shape {q.shape}")
+    if isinstance(bins, bool) or int(bins) != bins or bins < 1:
+        raise ValueError(f"bins: expected an int >= 1, got {bins!r}")
+    confidence = np.maximum(q, 1.0 - q)
+    correct = q > 0.5
+    which = np.minimum(((confidence - 0.5) * 2 * bins).astype(int), bins - 1)  # confidence 1.0 in the top bin
+    ece = sum(abs(correct[which == b].mean() - confidence[which == b].mean()) * np.count_nonzero(which == b)
+              for b in range(bins) if np.any(which == b)) / q.size
+    return {"n_pairs": int(q.size), "bins": int(bins), "ece": float(ece), "mean_margin": float(np.mean(np.abs(q - 0.5))),
+            "accuracy": float(100.0 * correct.mean()), "mean_confidence": float(confidence.mean())}
 
 
 def difference_standard_error(a_points: float, n_a: int, b_points: float, n_b: int) -> float:

@@ -71,6 +71,9 @@ class EvaluationReport:
     # fallback's note. Empty / None in reports written before 2026-12-03.
     target_flags: dict[str, str] = field(default_factory=dict)
     headline_note: str | None = None
+    # The weak teacher's soft labels against gold on ID validation (metrics.calibration, with dataset and
+    # split); None where no teacher stage measured it (evaluation reports, reports before 2026-12-03).
+    teacher_calibration: dict[str, Any] | None = None
     # The same models on the validation splits (protocol reports): what promotion compares; None in reports
     # written before these rows existed, and in evaluation reports.
     validation_splits: list[SplitResult] | None = None
@@ -123,6 +126,7 @@ class EvaluationReport:
             **({"headline_targets": list(self.headline_targets)} if self.headline_targets is not None else {}),
             **({"target_flags": dict(self.target_flags)} if self.target_flags else {}),
             **({"headline_note": self.headline_note} if self.headline_note else {}),
+            **({"teacher_calibration": dict(self.teacher_calibration)} if self.teacher_calibration else {}),
             "pgr": self.pgr,
             **({"validation": {"splits": [asdict(row) for row in self.validation_splits],
                                "wrg": self.validation["wrg"], "mean_nts": self.validation["mean_nts"]}}
@@ -359,13 +363,15 @@ def build_report(
     selection: dict[str, Any] | None = None,
     target_flags: dict[str, str] | None = None,
     headline_note: str | None = None,
+    teacher_calibration: dict[str, Any] | None = None,
 ) -> EvaluationReport:
     """Assemble a report and compute WRG, AOG, NTS, mean NTS and PGR (ID) from the rows.
 
     `validation_results` (protocol reports): the same models on the validation splits, kept beside the
     figures for what may select (promotion); the figures themselves stay on `figure_splits`. `selection`:
     how a search chose this model (tuning/final.py: selection_summary). `target_flags` and `headline_note`:
-    why OOD targets are flagged (metrics.choose_headline_targets).
+    why OOD targets are flagged (metrics.choose_headline_targets). `teacher_calibration`: the teacher's soft
+    labels against gold on ID validation (metrics.calibration).
 
     kind="protocol" (training, tuning): `results` holds exactly one row with role "id" and at least one
     "ood" row, all on `figure_splits`, each with a teacher accuracy. kind="evaluation" (any model on any
@@ -405,6 +411,7 @@ def build_report(
         selection=None if selection is None else dict(selection),
         target_flags=dict(target_flags or {}),
         headline_note=headline_note,
+        teacher_calibration=None if teacher_calibration is None else dict(teacher_calibration),
         **derived,
     )
     report.to_dict()  # validates the whole report
@@ -453,6 +460,7 @@ def report_from_dict(report_dict: dict[str, Any]) -> EvaluationReport:
         selection=report_dict.get("selection"),
         target_flags=dict(report_dict.get("target_flags", {})),
         headline_note=report_dict.get("headline_note"),
+        teacher_calibration=report_dict.get("teacher_calibration"),
     )
 
 

@@ -131,6 +131,11 @@ def _protocol_summary(report: EvaluationReport) -> list[str]:
         gap_se = difference_standard_error(idr.ceiling_accuracy, idr.n_pairs, idr.teacher_accuracy, idr.n_pairs)
         lines.append(f"- Ceiling - teacher (ID): {idr.ceiling_accuracy - idr.teacher_accuracy:+.1f} ±{gap_se:.1f} points")
     lines += [f"- PGR (ID): {_pgr_text(report)}", _splits_line(report)]
+    if report.teacher_calibration is not None:
+        c = report.teacher_calibration
+        lines.append(f"- Teacher calibration on `{c['dataset']}` {c['split']} ({c['n_pairs']} pairs): ECE {c['ece']:.3f} "
+                     f"over {c['bins']} bins, mean |q - 0.5| {c['mean_margin']:.3f}, accuracy {c['accuracy']:.1f}, "
+                     f"mean confidence {c['mean_confidence']:.3f}")
     if report.selection is not None:
         lines += _selection_lines(report.selection)
     if report.validation is not None:

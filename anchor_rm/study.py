@@ -14,6 +14,7 @@ import time
 from dataclasses import asdict, dataclass, field
 from typing import Callable
 
+from anchor_rm.catalog import CATEGORIES
 from anchor_rm.config import ProtocolConfig, preset
 from anchor_rm.drift import evaluate_with_drift, evaluation_reference
 from anchor_rm.experiment import STAGE_VERSION, SharedStages, prepare_shared
@@ -32,11 +33,8 @@ log = logging.getLogger("anchor_rm")
 
 STUDENT_STAGE = "study-student"
 DRIFT_LAYERS = ("last", "middle")  # drift is measured at both layer choices for every method
-# The OOD targets: the helpful category adds HH helpful-rejection-sampled to the protocol's four.
-STUDY_TARGETS = {
-    "helpful": ["ultrafeedback", "hh-helpful-online", "pandalm", "llmbar"],
-    "harmless": ["hh-harmless-base", "hhh-harmless"],
-}
+# The study's OOD targets: the protocol's (catalog.CATEGORIES).
+STUDY_TARGETS = {category: list(spec["targets"]) for category, spec in CATEGORIES.items()}
 
 
 @dataclass
@@ -196,6 +194,7 @@ def run_instance(study: StudyConfig, category: str, seed: int, experiment_id: st
         "ceiling_run_id": shared.ceiling.run_id if shared.ceiling else None,
         "headline_targets": shared.headline_targets,
         "target_flags": shared.headline.flags, "headline_note": shared.headline.note,
+        "teacher_calibration": shared.teacher_calibration,
         "students": students,
     }
 

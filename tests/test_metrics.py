@@ -131,3 +131,24 @@ def test_transfer_metrics_checks_its_inputs():
     with pytest.raises(ValueError, match="no OOD targets"):
         transfer_metrics({"hh": 60.0}, {"hh": 65.0}, id_name="hh")
     assert math.isfinite(transfer_metrics({"hh": 0.0, "uf": 100.0}, {"hh": 100.0, "uf": 0.0}, "hh").mean_nts)
+
+
+def test_calibration_of_soft_labels_on_gold_pairs():
+    from anchor_rm.metrics import calibration
+
+    # perfectly calibrated in each bin: 0.75 confidence right 3 times in 4; 0.95 right 19 in 20 (as 0.95 says)
+    q = [0.75, 0.75, 0.75, 0.25] + [0.95] * 19 + [0.05]
+    c = calibration(q, bins=10)
+    assert c["ece"] == pytest.approx(0.0) and c["n_pairs"] == 24 and c["bins"] == 10
+    assert c["mean_margin"] == pytest.approx((4 * 0.25 + 20 * 0.45) / 24)
+    assert c["accuracy"] == pytest.approx(100 * 22 / 24)
+    # overconfident: says 0.9 and is right half the time -> ECE 0.4; indifferent labels: margin 0, accuracy 0
+    assert calibration([0.9, 0.1] * 5)["ece"] == pytest.approx(0.4)
+    flat = calibration([0.5] * 8)
+    assert flat["mean_margin"] == 0.0 and flat["accuracy"] == 0.0 and flat["ece"] == pytest.approx(0.5)
+    assert calibration([1.0, 0.0])["ece"] == pytest.approx(0.5)  # confidence 1.0 lands in the top bin
+    for bad in ([], [1.2], [float("nan")], [[0.5]]):
+        with pytest.raises(ValueError, match="q: expected"):
+            calibration(bad)
+    with pytest.raises(ValueError, match="bins"):
+        calibration([0.6], bins=0)

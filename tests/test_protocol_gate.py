@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 
+from anchor_rm.data import PreferencePair
 from anchor_rm.experiment import SharedStages
 from anchor_rm.splits import ProtocolSplits
 from anchor_rm.mlflow_edge.runs import StageRun
@@ -14,8 +15,15 @@ def _scores(**accuracies) -> dict:
             for name, acc in accuracies.items()}
 
 
-def _shared(teacher_val: dict, ceiling_val: dict | None) -> SharedStages:
-    splits = ProtocolSplits("hh-helpful", [], [], [], [], {"ultrafeedback": {}, "llmbar": {}, "pandalm": {}})
+def _pairs(n: int, name: str) -> list[PreferencePair]:
+    return [PreferencePair(f"prompt {i}", "a", "b", name) for i in range(n)]
+
+
+def _shared(teacher_val: dict, ceiling_val: dict | None, test_sizes: dict | None = None) -> SharedStages:
+    test_sizes = test_sizes or {}
+    ood = {name: {"val": _pairs(200, name), "test": _pairs(test_sizes.get(name, 400), name)}
+           for name in ("ultrafeedback", "llmbar", "pandalm")}
+    splits = ProtocolSplits("hh-helpful", [], [], [], [], ood)
     teacher = StageRun("t", {"scores": {"val": teacher_val, "test": teacher_val}}, False)
     ceiling = None if ceiling_val is None else StageRun("c", {"scores": {"val": ceiling_val, "test": ceiling_val}}, False)
     return SharedStages(splits, StageRun("d", {}, False), teacher, ceiling)
@@ -36,8 +44,14 @@ def test_the_gate_stops_with_what_it_measured_and_what_to_change():
 
 
 @pytest.mark.timeout(60)
-def test_targets_where_the_ceiling_is_below_chance_on_validation_leave_the_headline():
+def test_the_headline_keeps_targets_of_headline_size_whose_ceiling_is_clearly_above_chance_on_validation():
     teacher = _scores(hh_helpful=58.0, ultrafeedback=55.0, llmbar=45.0, pandalm=60.0)
-    shared = _shared(teacher, _scores(hh_helpful=66.0, ultrafeedback=61.0, llmbar=41.0, pandalm=62.0))
-    assert shared.headline_targets == ["ultrafeedback", "pandalm"]
-    assert _shared(teacher, None).headline_targets == ["ultrafeedback", "llmbar", "pandalm"]
+    # 2 standard errors of a chance accuracy on 200 validation pairs: 7.1 points
+    shared = _shared(teacher, _scores(hh_helpful=66.0, ultrafeedback=61.0, llmbar=56.0, pandalm=62.0),
+                     test_sizes={"pandalm": 382})
+    assert shared.headline_targets == ["ultrafeedback"] and shared.headline.note is None
+    assert shared.headline.flags["llmbar"].startswith("no clear transfer signal: the strong ceiling scores 56.0")
+    assert shared.headline.flags["pandalm"].startswith("too small for the headline: 200 validation and 382 test")
+    assert _shared(teacher, None).headline_targets == ["ultrafeedback", "llmbar", "pandalm"]  # sizes alone
+    fallback = _shared(teacher, _scores(hh_helpful=66.0, ultrafeedback=52.0, llmbar=41.0, pandalm=55.0))
+    assert fallback.headline_targets == ["ultrafeedback", "llmbar", "pandalm"] and "read it as noise" in fallback.headline.note

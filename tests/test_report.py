@@ -534,3 +534,17 @@ def test_a_search_selection_round_trips_is_rendered_and_its_fields_are_checked()
     data["selection"]["selected"].pop("val_id_acc")
     with pytest.raises(ValueError, match="selection.selected"):
         validate_report_dict(data)
+
+
+def test_teacher_calibration_round_trips_and_is_rendered(tmp_path):
+    measured = {"dataset": "hh-helpful-base", "split": "val", "n_pairs": 300, "bins": 10, "ece": 0.041,
+                "mean_margin": 0.062, "accuracy": 58.7, "mean_confidence": 0.562}
+    report = example_report(teacher_calibration=measured)
+    again = read_report(write_report(report, tmp_path)["json"])
+    assert again.teacher_calibration == measured and "teacher_calibration" not in example_report().to_dict()
+    assert ("- Teacher calibration on `hh-helpful-base` val (300 pairs): ECE 0.041 over 10 bins, mean |q - 0.5| "
+            "0.062, accuracy 58.7, mean confidence 0.562") in report_to_markdown(report)
+    data = report.to_dict()
+    data["teacher_calibration"]["mean_margin"] = 0.7
+    with pytest.raises(ValueError, match="teacher_calibration.mean_margin"):
+        validate_report_dict(data)
