@@ -16,7 +16,7 @@ from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any
 
 from anchor_rm.data import (DataError, PreferencePair, ReadStats, iter_generic, iter_hh_rlhf, iter_hhh, iter_hub,
-                            iter_llmbar, iter_pandalm, iter_pku_saferlhf, iter_ultrafeedback)
+                            iter_llmbar, iter_pandalm, iter_pku_saferlhf, iter_safetext, iter_ultrafeedback)
 
 DATA_DIR_ENV = "ANCHOR_RM_DATA_DIR"
 
@@ -74,6 +74,9 @@ DATASETS: dict[str, DatasetSpec] = {spec.name: spec for spec in [
                 "princeton-nlp/LLMBar@900616bf:Dataset/LLMBar (Natural + 4 Adversarial subsets)"),
     _hhh("harmless"),
     _hhh("helpful"),
+    DatasetSpec("safetext", "harmless", iter_safetext, "safetext/SafeText.json", None, "MIT",
+                "sharonlevy/SafeText@25bb7a8c:SafeText.json (SafeText, Levy et al. 2022: physical-safety advice; "
+                "every safe advice of a scenario preferred to every unsafe one)"),
     # HH's helpful subsets ship as test files of 2,348 and 2,717 usable pairs; together they give the student
     # thousands of training pairs with disjoint prompt groups (splits.prompt_group: 3 opening turns shared).
     _union("hh-helpful", "helpful", ("hh-helpful-base", "hh-helpful-rejection-sampled"),
@@ -83,7 +86,7 @@ DATASETS: dict[str, DatasetSpec] = {spec.name: spec for spec in [
 # Protocol: train on the source, evaluate ID on its held-out split and OOD on the targets.
 CATEGORIES: dict[str, dict[str, Any]] = {
     "helpful": {"source": "hh-helpful", "targets": ["ultrafeedback", "hh-helpful-online", "pandalm", "llmbar"]},
-    "harmless": {"source": "pku-saferlhf", "targets": ["hh-harmless-base", "hhh-harmless"]},
+    "harmless": {"source": "pku-saferlhf", "targets": ["hh-harmless-base", "safetext", "hhh-harmless"]},
 }
 
 _HUB_NAME = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")

@@ -265,6 +265,32 @@ def llmbar_pair(rec: Any, dataset: str, where: str, meta: dict) -> PreferencePai
     return PreferencePair(_text(rec, "input", where), chosen, rejected, dataset, meta)
 
 
+def _iter_safetext(path: Path) -> Iterator[Record]:
+    """SafeText's {scenario: {"safe": [...], "unsafe": [...]}}: one record per (safe, unsafe) advice of a
+    scenario, in file order."""
+    text = _decode(path.read_bytes(), path)
+    try:
+        data = json.loads(text)
+    except json.JSONDecodeError as e:
+        raise DataError(f"{path}, line {e.lineno}: invalid JSON ({e.msg} at column {e.colno})") from None
+    if not isinstance(data, dict) or not data:
+        raise DataError(f"{path}: expected a non-empty JSON object of scenarios, got {type(data).__name__}")
+    for i, (scenario, advice) in enumerate(data.items()):
+        where = f"{path}, scenario {i} ({scenario[:60]!r})"
+        if not isinstance(advice, Mapping):
+            yield where, {}, DataError(f"{where}: expected an object with 'safe' and 'unsafe' lists")
+            continue
+        lists = {key: advice.get(key) for key in ("safe", "unsafe")}
+        bad = [key for key, items in lists.items() if not isinstance(items, list) or not items]
+        if bad:
+            yield where, {}, DataError(f"{where}: field {bad[0]!r} must be a non-empty list of advice")
+            continue
+        for j, safe in enumerate(lists["safe"]):
+            for k, unsafe in enumerate(lists["unsafe"]):
+                yield (f"{where}, safe {j} x unsafe {k}", {"scenario_index": i},
+                       {"prompt": scenario, "chosen": safe, "rejected": unsafe})
+
+
 def _between(rec: Any, key: str, start: str, end: str, where: str) -> str:
     text = _text(rec, key, where)
     i = text.find(start)
@@ -391,6 +417,17 @@ def iter_hhh(path: str | Path, dataset: str, *, sources: Iterable[str] | None = 
         raise DataError(f"{path}: no record has a source in {sorted(sources or ())}")
 
 
+def iter_safetext(path: str | Path, dataset: str, *, skip_invalid: bool = False,
+                  stats: ReadStats | None = None) -> Iterator[PreferencePair]:
+    """SafeText (physical-safety advice): every safe advice of a scenario preferred to every unsafe one; the
+    scenario (a sentence's start, "To remove redness from eyes,") is the prompt."""
+    path = Path(path)
+    if not path.is_file():
+        raise DataError(f"{path}: no such file")
+    return _parse_records(_iter_safetext(path), generic_pair, dataset, str(path), skip_invalid=skip_invalid,
+                          stats=stats)
+
+
 def iter_generic(path_or_hub_name: str | Path, dataset: str, prompt_column: str = "prompt",
                  chosen_column: str = "chosen", rejected_column: str = "rejected", split: str = "train", *,
                  skip_invalid: bool = False, stats: ReadStats | None = None,
@@ -452,6 +489,11 @@ def read_llmbar(path: str | Path, dataset: str, **kwargs: Any) -> list[Preferenc
 def read_hhh(path: str | Path, dataset: str, **kwargs: Any) -> list[PreferencePair]:
     """iter_hhh's pairs as a list."""
     return list(iter_hhh(path, dataset, **kwargs))
+
+
+def read_safetext(path: str | Path, dataset: str, **kwargs: Any) -> list[PreferencePair]:
+    """iter_safetext's pairs as a list."""
+    return list(iter_safetext(path, dataset, **kwargs))
 
 
 def read_generic(path_or_hub_name: str | Path, dataset: str, *args: Any, **kwargs: Any) -> list[PreferencePair]:
