@@ -131,8 +131,12 @@ def test_study_pipeline_runs_logs_and_resumes(tmp_path):
     data = json.loads((tmp_path / "out" / "study.json").read_text())
     (instance,) = data["instances"]
     assert [s["setting"] for s in instance["students"]] == ["naive", "confidence alpha=0.75", "anchor last lambda=0.01"]
+    # the teacher's calibration and why each target is flagged, per seed (smoke splits are all under headline size)
+    assert instance["teacher_calibration"]["dataset"] == "pku-saferlhf" and instance["teacher_calibration"]["split"] == "val"
+    assert set(instance["target_flags"]) == {"hh-harmless-base", "safetext", "hhh-harmless"}
+    assert instance["headline_note"].startswith("no target has headline size")
     for s in instance["students"]:
-        assert set(s["test"]) == {"hh-harmless-base", "pku-saferlhf", "hhh-harmless"}
+        assert set(s["test"]) == {"hh-harmless-base", "safetext", "pku-saferlhf", "hhh-harmless"}
         assert set(s["drift"]["pku-saferlhf"]) == {"last", "middle"}
     assert (tmp_path / "out" / "tables.md").exists() and (tmp_path / "out" / "nts_vs_lambda.png").exists()
 

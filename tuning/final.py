@@ -161,7 +161,9 @@ def register_selected(shared: SharedStages, cfg: ProtocolConfig, baselines: list
         selected_label = f"{outcome_label(selected)} (selected)"
         others = [(outcome_label(b), b) for b in baselines if b.checkpoint_path and b is not selected]
         for label, outcome in [(selected_label, selected)] + others:
-            folders[label] = checkpoint_folder(outcome, Path(tmp) / label.split(" (")[0].replace(" ", "_"))
+            # the registered version's artifact folder is named after this one: "selected", as before
+            folder = "selected" if outcome is selected else label.replace(" ", "_")
+            folders[label] = checkpoint_folder(outcome, Path(tmp) / folder)
             reports[label] = evaluate_outcome(shared, outcome, folders[label], cfg.student, cfg.teacher,
                                               cfg.eval_batch_size, train_dict, cfg.precision,
                                               selection if outcome is selected else None)
