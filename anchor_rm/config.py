@@ -68,7 +68,9 @@ class ProtocolConfig:
 TEACHER_GOLD_PAIRS = 150
 # Validation at least 200 pairs per set, test at least 600 ID and 400 per OOD target where the data has them
 # (HHH harmless has 58 pairs in all, PandaLM 762, LLMBar 419).
-PROTOCOL_CAPS = {"student_train": 640, "id_val": 300, "id_test": 1000, "ood_val": 200, "ood_test": 400}
+# The teacher's temperature is fitted on up to 1,000 gold pairs of teacher_calibration (PKU-SafeRLHF has about 500).
+PROTOCOL_CAPS = {"teacher_calibration": 1000, "student_train": 640, "id_val": 300, "id_test": 1000, "ood_val": 200,
+                 "ood_test": 400}
 
 
 def _protocol(category: str) -> ProtocolConfig:
@@ -100,8 +102,8 @@ def _smoke(category: str) -> ProtocolConfig:
 
 
 def _study(category: str) -> ProtocolConfig:
-    """One protocol instance of the preference-shift study (pipelines/study.py), which trains 13 students per
-    category and seed on the default protocol."""
+    """One protocol instance of the preference-shift study (pipelines/study.py), which trains every method's
+    students per category and seed on the default protocol."""
     return _protocol(category)
 
 

@@ -15,7 +15,7 @@ import numpy as np
 
 from anchor_rm.catalog import dataset_digest
 from anchor_rm.config import ProtocolConfig
-from anchor_rm.metrics import HeadlineChoice, calibration, choose_headline_targets
+from anchor_rm.metrics import HeadlineChoice, apply_temperature, calibration, choose_headline_targets, fit_temperature
 from anchor_rm.report import EvaluationReport, build_report
 from anchor_rm.mlflow_edge import keys, runs
 from anchor_rm.mlflow_edge.keys import cache_key
@@ -58,13 +58,28 @@ class SharedStages:
             return None
         return scores_from_dict(self.ceiling.outputs["scores"][split])
 
+    def soft_labels(self, which: str = "raw") -> list[float]:
+        """The teacher's soft labels on student-train, "raw" or "calibrated" (TrainConfig.teacher_labels): scaled
+        by the temperature the teacher stage fitted on the gold teacher_calibration split."""
+        raw = self.teacher.outputs["soft_labels"]
+        if which == "raw":
+            return raw
+        if which != "calibrated":
+            raise ValueError(f"teacher labels must be raw or calibrated, got {which!r}")
+        return apply_temperature(raw, self.temperature).tolist()
+
     @property
-    def soft_labels(self) -> list[float]:
-        return self.teacher.outputs["soft_labels"]
+    def temperature(self) -> float:
+        fitted = (self.teacher_calibration or {}).get("temperature_fit")
+        if fitted is None:
+            raise ValueError(f"teacher run {self.teacher.run_id} has no fitted temperature: its stage ran before "
+                             "calibration existed; use teacher labels 'raw' or a new MLflow experiment")
+        return fitted["temperature"]
 
     @property
     def teacher_calibration(self) -> dict | None:
-        """The teacher's soft labels against gold on ID validation (metrics.calibration), with the split."""
+        """The teacher's soft labels against gold on ID validation (metrics.calibration), with the split; the
+        temperature fitted on teacher_calibration and the calibrated labels' figures on ID validation."""
         return self.teacher.outputs.get("calibration")
 
     @functools.cached_property
@@ -122,7 +137,7 @@ class SharedStages:
 def split_digests(splits: ProtocolSplits) -> dict[str, str]:
     digests = {
         f"{splits.source}/{name}": dataset_digest(getattr(splits, name))
-        for name in ("teacher_train", "student_train", "id_val", "id_test")
+        for name in ("teacher_train", "teacher_calibration", "student_train", "id_val", "id_test")
     }
     for target, parts in splits.ood.items():
         for split, pairs in parts.items():
@@ -150,9 +165,10 @@ def _gold_stage(stage: str, model_name: str, train_cfg: TrainConfig, cfg: Protoc
                 eval_splits: tuple[str, ...] = ("val", "test")) -> StageRun:
     """Trains `model_name` on gold labels and scores it on `eval_splits`: validation for the tuning objective,
     the gap gate and the headline targets, test for the report."""
-    # The teacher (label_pairs given) also measures its calibration on ID validation: part of its key, so that a
-    # teacher stage cached before it did is computed again once.
-    calibrated = () if label_pairs is None else ("calibration:id_val",)
+    # The teacher (label_pairs given) also fits the temperature of its labels on the gold teacher_calibration
+    # split and measures its calibration on ID validation, raw and scaled: part of its key, so that a teacher
+    # stage cached before it did is computed again once.
+    calibrated = () if label_pairs is None else ("calibration:id_val", "temperature:teacher_calibration")
     key = cache_key(STAGE_VERSION, stage, data.outputs["digests"], model_name, train_cfg.to_dict(), cfg.eval_batch_size,
                     eval_splits, cfg.precision, *calibrated)
 
@@ -170,9 +186,12 @@ def _gold_stage(stage: str, model_name: str, train_cfg: TrainConfig, cfg: Protoc
             outputs["soft_labels"] = labels.tolist()
             runs.log_metrics({"soft_labels/mean": float(np.mean(labels)),
                               "soft_labels/agree_with_gold": float(np.mean(labels > 0.5) * 100)})
-            measured = calibration(soft_labels(rm, splits.id_val, cfg.eval_batch_size, cfg.precision))
-            outputs["calibration"] = {"dataset": splits.source, "split": "val", **measured}
-            runs.log_metrics({"calibration/ece": measured["ece"], "calibration/mean_margin": measured["mean_margin"]})
+            outputs["calibration"] = teacher_calibration(rm, splits, cfg.eval_batch_size, cfg.precision)
+            c = outputs["calibration"]
+            runs.log_metrics({"calibration/ece": c["ece"], "calibration/mean_margin": c["mean_margin"],
+                              "calibration/temperature": c["temperature_fit"]["temperature"],
+                              "calibration/calibrated_ece": c["calibrated"]["ece"],
+                              "calibration/calibrated_mean_margin": c["calibrated"]["mean_margin"]})
         runs.log_reward_model(rm, {"stage": stage})
         return outputs
 
@@ -181,6 +200,21 @@ def _gold_stage(stage: str, model_name: str, train_cfg: TrainConfig, cfg: Protoc
     if run.reused:
         log.info("%s: reusing run %s (same inputs)", stage, run.run_id)
     return run
+
+
+def teacher_calibration(rm: RewardModel, splits: ProtocolSplits, batch_size: int, precision: str) -> dict:
+    """The teacher's labels against gold: the temperature fitted on teacher_calibration (metrics.fit_temperature),
+    then calibration on ID validation of the raw labels (top level) and of the scaled ones (`calibrated`)."""
+    if not splits.teacher_calibration:
+        raise ValueError(f"{splits.source}: the teacher_calibration split is empty; give it a share of the source "
+                         "(source_fractions) and no cap of 0")
+    fitted = fit_temperature(soft_labels(rm, splits.teacher_calibration, batch_size, precision))
+    q_val = soft_labels(rm, splits.id_val, batch_size, precision)
+    log.info("teacher temperature %.3g on %d gold teacher_calibration pairs (NLL %.4f -> %.4f)", fitted["temperature"],
+             fitted["n_pairs"], fitted["nll_raw"], fitted["nll_calibrated"])
+    return {"dataset": splits.source, "split": "val", **calibration(q_val),
+            "temperature_fit": {"split": "teacher_calibration", **fitted},
+            "calibrated": calibration(apply_temperature(q_val, fitted["temperature"]))}
 
 
 def prepare_shared(cfg: ProtocolConfig, experiment_id: str) -> SharedStages:
@@ -233,7 +267,7 @@ def run_student(cfg: ProtocolConfig, shared: SharedStages, train_cfg: TrainConfi
             log.info("epoch %d: val mean NTS %.2f, val ID acc %.1f", epoch, metrics["val/mean_nts"],
                      metrics[f"val/acc/{keys.metric_name(shared.splits.source)}"])
 
-        train_student(rm, shared.splits.student_train, shared.soft_labels, train_cfg, ActiveRunSink(),
+        train_student(rm, shared.splits.student_train, shared.soft_labels(train_cfg.teacher_labels), train_cfg, ActiveRunSink(),
                       validation=shared.validation(cfg.eval_batch_size, cfg.precision), reference=reference,
                       after_epoch=after_epoch)
         info = {"name": f"{cfg.student} ({train_cfg.method})", "student": cfg.student, "teacher": cfg.teacher,

@@ -242,6 +242,13 @@ def choose_headline_targets(sizes: Mapping[str, Mapping[str, int]], ceiling_val:
                                                 "read it as noise")
 
 
+def _probabilities(q: Sequence[float] | np.ndarray, name: str) -> np.ndarray:
+    q = np.asarray(q, dtype=float)
+    if q.ndim != 1 or q.size == 0 or not np.all(np.isfinite(q)) or np.any((q < 0) | (q > 1)):
+        raise ValueError(f"{name}: expected a non-empty 1-D sequence of probabilities in [0, 1], got shape {q.shape}")
+    return q
+
+
 def calibration(q: Sequence[float] | np.ndarray, bins: int = 10) -> dict[str, float]:
     """How a teacher's soft labels q = P(chosen preferred), on gold pairs (chosen is the better response),
     match how often it is right.
@@ -251,9 +258,7 @@ def calibration(q: Sequence[float] | np.ndarray, bins: int = 10) -> dict[str, fl
     - `mean_margin`: mean |q - 0.5|, how far from indifferent the labels are (0: every label 0.5);
     - `accuracy` (points; q = 0.5 counts as wrong, as a tie does) and `mean_confidence`.
     """
-    q = np.asarray(q, dtype=float)
-    if q.ndim != 1 or q.size == 0 or not np.all(np.isfinite(q)) or np.any((q < 0) | (q > 1)):
-        raise ValueError(f"q: expected a non-empty 1-D sequence of probabilities in [0, 1], got shape {q.shape}")
+    q = _probabilities(q, "q")
     if isinstance(bins, bool) or int(bins) != bins or bins < 1:
         raise ValueError(f"bins: expected an int >= 1, got {bins!r}")
     confidence = np.maximum(q, 1.0 - q)
@@ -263,6 +268,40 @@ def calibration(q: Sequence[float] | np.ndarray, bins: int = 10) -> dict[str, fl
               for b in range(bins) if np.any(which == b)) / q.size
     return {"n_pairs": int(q.size), "bins": int(bins), "ece": float(ece), "mean_margin": float(np.mean(np.abs(q - 0.5))),
             "accuracy": float(100.0 * correct.mean()), "mean_confidence": float(confidence.mean())}
+
+
+def _logits(q: Sequence[float] | np.ndarray, name: str) -> np.ndarray:
+    q = np.clip(_probabilities(q, name), 1e-12, 1 - 1e-12)
+    return np.log(q) - np.log1p(-q)
+
+
+TEMPERATURE_BOUNDS = (1e-3, 1e3)
+
+
+def fit_temperature(q_gold: Sequence[float] | np.ndarray) -> dict[str, float]:
+    """Temperature scaling (Guo et al. 2017) of a teacher's soft labels q = sigmoid(margin) on gold pairs
+    (chosen is the better response): the T in TEMPERATURE_BOUNDS minimising the mean negative log-likelihood
+    -log sigmoid(margin / T). T < 1 sharpens labels that sit too close to 0.5, T > 1 softens overconfident ones;
+    the ranking (and so the teacher's accuracy) does not change. Returns `temperature` and the NLL before and
+    after (nats per pair). Fit it on gold pairs that neither the teacher nor any student trains on."""
+    from scipy.optimize import minimize_scalar
+
+    margins = _logits(q_gold, "q_gold")
+
+    def nll(log_t: float) -> float:
+        return float(np.mean(np.logaddexp(0.0, -margins / np.exp(log_t))))
+
+    low, high = (math.log(b) for b in TEMPERATURE_BOUNDS)
+    best = minimize_scalar(nll, bounds=(low, high), method="bounded", options={"xatol": 1e-6})
+    log_t = float(best.x) if nll(float(best.x)) < nll(0.0) else 0.0  # never worse than T = 1
+    return {"temperature": math.exp(log_t), "n_pairs": int(margins.size), "nll_raw": nll(0.0), "nll_calibrated": nll(log_t)}
+
+
+def apply_temperature(q: Sequence[float] | np.ndarray, temperature: float) -> np.ndarray:
+    """sigmoid(logit(q) / T), elementwise; q = 0.5 (no opinion) stays 0.5."""
+    if not (isinstance(temperature, (int, float)) and math.isfinite(temperature) and temperature > 0):
+        raise ValueError(f"temperature: expected a finite number > 0, got {temperature!r}")
+    return 1.0 / (1.0 + np.exp(-_logits(q, "q") / temperature))
 
 
 def difference_standard_error(a_points: float, n_a: int, b_points: float, n_b: int) -> float:

@@ -136,6 +136,11 @@ def _protocol_summary(report: EvaluationReport) -> list[str]:
         lines.append(f"- Teacher calibration on `{c['dataset']}` {c['split']} ({c['n_pairs']} pairs): ECE {c['ece']:.3f} "
                      f"over {c['bins']} bins, mean |q - 0.5| {c['mean_margin']:.3f}, accuracy {c['accuracy']:.1f}, "
                      f"mean confidence {c['mean_confidence']:.3f}")
+        if "temperature_fit" in c:
+            t, k = c["temperature_fit"], c["calibrated"]
+            lines.append(f"- Teacher temperature {t['temperature']:.3g}, fitted on {t['n_pairs']} gold `{t['split']}` pairs "
+                         f"(NLL {t['nll_raw']:.4f} -> {t['nll_calibrated']:.4f}); scaled labels on the same {c['split']} "
+                         f"split: ECE {k['ece']:.3f}, mean |q - 0.5| {k['mean_margin']:.3f}")
     if report.selection is not None:
         lines += _selection_lines(report.selection)
     if report.validation is not None:

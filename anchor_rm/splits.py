@@ -24,7 +24,14 @@ from anchor_rm.catalog import iter_dataset_pairs
 from anchor_rm.data import DataError, PreferencePair
 from anchor_rm.progress import Progress
 
-SOURCE_FRACTIONS = (("teacher_train", 0.3), ("student_train", 0.4), ("id_val", 0.1), ("id_test", 0.2))
+# Shares of the source's pairs by prompt group, cut in this order. teacher_calibration is gold data of the
+# teacher's share that the teacher does not train on and no student sees: the temperature of its soft labels is
+# fitted there (metrics.fit_temperature). Half of the teacher's share: the presets train the teacher on 150 pairs
+# of its half, while one temperature fitted on 160 pairs moved by chance from 0.3 to 1,000. Placed right after
+# teacher_train, it leaves the cuts of student_train, id_val and id_test where they were when the teacher's
+# share was 0.3.
+SOURCE_FRACTIONS = (("teacher_train", 0.15), ("teacher_calibration", 0.15), ("student_train", 0.4), ("id_val", 0.1),
+                    ("id_test", 0.2))
 
 
 @dataclass
@@ -192,6 +199,8 @@ class ProtocolSplits:
     id_test: list[PreferencePair]
     ood: dict[str, dict[str, list[PreferencePair]]]  # target -> {"val": [...], "test": [...]}
     counts: dict[str, dict] = field(default_factory=dict)  # dataset -> cleaning counts + "splits" sizes
+    # Gold pairs for the teacher's temperature (SOURCE_FRACTIONS): never trained on, by teacher or student.
+    teacher_calibration: list[PreferencePair] = field(default_factory=list)
 
 
 @dataclass
@@ -273,11 +282,11 @@ def build_protocol_splits(source: str, targets: Sequence[str], seed: int, *,
                           ood_val_fraction: float = 0.5,
                           max_pairs: Mapping[str, int] | None = None,
                           loader: Callable[[str], Iterable[PreferencePair]] = iter_dataset_pairs) -> ProtocolSplits:
-    """Source -> teacher_train / student_train / id_val / id_test; each target -> val / test.
+    """Source -> teacher_train / teacher_calibration / student_train / id_val / id_test; each target -> val / test.
 
     The teacher and the student train on disjoint prompts, so the student never sees the teacher's own
     training pairs. Tuning selects on id_val and OOD val; test splits are for the final report only.
-    `max_pairs` caps a split (keys teacher_train, student_train, id_val, id_test, ood_val, ood_test) by a
+    `max_pairs` caps a split (a source split's name, ood_val or ood_test) by a
     seeded subsample taken after splitting, so a cap never moves a prompt across splits. `loader(name)` is
     called twice per dataset (two passes over it) and must give the same pairs in the same order each time.
     """
@@ -321,4 +330,4 @@ def build_protocol_splits(source: str, targets: Sequence[str], seed: int, *,
         counts[target] = {**scan.counts.to_dict(), "shared_with_source": shared,
                           "splits": {k: len(v) for k, v in ood[target].items()}}
     return ProtocolSplits(source, parts["teacher_train"], parts["student_train"], parts["id_val"], parts["id_test"],
-                          ood, counts)
+                          ood, counts, teacher_calibration=parts["teacher_calibration"])

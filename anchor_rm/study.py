@@ -26,7 +26,7 @@ from anchor_rm.mlflow_edge.keys import cache_key, metric_name
 from anchor_rm.mlflow_edge.runs import ActiveRunSink, stage_run
 from anchor_rm.reference_cache import ReferenceStates
 from anchor_rm.student import train_student
-from anchor_rm.training import TrainConfig
+from anchor_rm.training import TEACHER_LABELS, TrainConfig
 from anchor_rm.workflow import evaluation_sets, frozen_reference, load_pretrained, reference_states, scores_to_dict
 
 log = logging.getLogger("anchor_rm")
@@ -44,6 +44,14 @@ class StudyConfig:
     lambdas: list[float] = field(default_factory=lambda: [1e-5, 1e-4, 1e-3, 1e-2, 1e-1])  # lambda 0 is naive W2S
     layer_choices: list[str] = field(default_factory=lambda: ["last", "middle"])
     confidence_alphas: list[float] = field(default_factory=lambda: [0.5, 0.75])
+    # The teacher's labels (TrainConfig.teacher_labels): every method trains on the first; each further one adds
+    # a naive W2S student trained on it, the comparison of raw against temperature-scaled labels.
+    # Empty: the preset's labels, then the other kind.
+    teacher_labels: list[str] = field(default_factory=list)
+    # (learning rate, epochs) budgets for the W2S students. With budgets, naive W2S trains per seed on every kind
+    # of teacher labels at every budget, and the (labels, budget) with the highest validation ID accuracy trains
+    # every method of that seed. Empty: no search; the first labels and the preset's budget.
+    budgets: list[tuple[float, int]] = field(default_factory=list)
     preset: str = "study"
     precision: str = "auto"  # resolved once per process (anchor_rm/precision.py); every instance uses it
 
@@ -60,6 +68,16 @@ class StudyConfig:
         for alpha in self.confidence_alphas:
             if not 0 <= alpha <= 1:
                 raise ValueError(f"confidence alphas must lie in [0, 1], got {alpha}")
+        if not self.teacher_labels:
+            default = preset(self.preset).student_train.teacher_labels
+            self.teacher_labels = [default] + [mode for mode in TEACHER_LABELS if mode != default]
+        if len(set(self.teacher_labels)) != len(self.teacher_labels) \
+                or any(mode not in TEACHER_LABELS for mode in self.teacher_labels):
+            raise ValueError(f"teacher labels must be distinct, at least one, among {', '.join(TEACHER_LABELS)}; "
+                             f"got {self.teacher_labels}")
+        self.budgets = [(float(lr), int(epochs)) for lr, epochs in self.budgets]
+        if len(set(self.budgets)) != len(self.budgets) or any(lr <= 0 or epochs < 1 for lr, epochs in self.budgets):
+            raise ValueError(f"budgets must be distinct (learning rate > 0, epochs >= 1), got {self.budgets}")
         self.precision = resolve_precision(self.precision)  # study.json records what ran, not "auto"
 
     def to_dict(self) -> dict:
@@ -76,21 +94,42 @@ def protocol_for(study: StudyConfig, category: str, seed: int) -> ProtocolConfig
     return cfg
 
 
-def student_settings(study: StudyConfig, base: TrainConfig) -> list[TrainConfig]:
-    """Naive, confidence at each alpha, ANCHOR at each lambda and layer choice: one student each."""
-    settings = [TrainConfig(**{**base.to_dict(), "method": "naive", "anchor_lambda": 0.0})]
-    settings += [TrainConfig(**{**base.to_dict(), "method": "confidence", "confidence_alpha": a, "anchor_lambda": 0.0})
+def _naive(study: StudyConfig, base: TrainConfig, labels: str | None = None) -> TrainConfig:
+    return TrainConfig(**{**base.to_dict(), "method": "naive", "anchor_lambda": 0.0,
+                          "teacher_labels": labels or study.teacher_labels[0]})
+
+
+def student_settings(study: StudyConfig, base: TrainConfig, labels: str | None = None,
+                     naive_budgets: dict[str, TrainConfig] | None = None) -> list[TrainConfig]:
+    """Naive on each kind of teacher labels, confidence at each alpha, ANCHOR at each lambda and layer choice:
+    one student each, all on `labels` (default: the study's first) and `base`'s budget, except naive W2S on other
+    labels, which trains at its own best budget when a search found one (`naive_budgets`)."""
+    main = labels or study.teacher_labels[0]
+    common = {**base.to_dict(), "teacher_labels": main}
+    settings = [TrainConfig(**common | {"method": "naive", "anchor_lambda": 0.0})]
+    settings += [(naive_budgets or {}).get(other) or _naive(study, base, other)
+                 for other in study.teacher_labels if other != main]
+    settings += [TrainConfig(**{**common, "method": "confidence", "confidence_alpha": a, "anchor_lambda": 0.0})
                  for a in study.confidence_alphas]
-    settings += [TrainConfig(**{**base.to_dict(), "method": "anchor", "anchor_lambda": lam, "anchor_layers": layers})
+    settings += [TrainConfig(**{**common, "method": "anchor", "anchor_lambda": lam, "anchor_layers": layers})
                  for layers in study.layer_choices for lam in study.lambdas]
     return settings
 
 
-def setting_label(tc: TrainConfig) -> str:
+def budget_settings(study: StudyConfig, base: TrainConfig) -> list[TrainConfig]:
+    """Naive W2S on each kind of teacher labels at each (learning rate, epochs) budget of the search; none
+    without a search."""
+    return [TrainConfig(**{**_naive(study, base, labels).to_dict(), "learning_rate": lr, "epochs": epochs})
+            for labels in study.teacher_labels for lr, epochs in study.budgets]
+
+
+def setting_label(tc: TrainConfig, main_labels: str = "raw") -> str:
     if tc.method == "confidence":
         return f"confidence alpha={tc.confidence_alpha:g}"
     if tc.method == "anchor":
         return f"anchor {tc.anchor_layers} lambda={tc.anchor_lambda:g}"
+    if tc.teacher_labels != main_labels:
+        return f"{tc.method}, {tc.teacher_labels} teacher labels"
     return tc.method
 
 
@@ -123,7 +162,7 @@ def _train_and_measure(cfg: ProtocolConfig, shared: SharedStages, tc: TrainConfi
     depth = rm.model.config.num_hidden_layers
     layer_sets = {choice: resolve_anchor_layers(choice, depth) for choice in DRIFT_LAYERS}
     reference = refs.train(rm) if tc.uses_anchor else None
-    trained = train_student(rm, shared.splits.student_train, shared.soft_labels, tc, ActiveRunSink(), reference=reference)
+    trained = train_student(rm, shared.splits.student_train, shared.soft_labels(tc.teacher_labels), tc, ActiveRunSink(), reference=reference)
     val, val_metrics = shared.validation(cfg.eval_batch_size, cfg.precision).measure(rm)  # once, after training
     runs.log_metrics(val_metrics)
     eval_refs = refs.evaluation(rm, sorted({layer for layers in layer_sets.values() for layer in layers}))
@@ -164,27 +203,55 @@ class Progress:
         self.print_fn(f"[{self.done}/{self.total}] {label}: {how}{eta}")
 
 
+def _student(cfg: ProtocolConfig, shared: SharedStages, refs: _References, tc: TrainConfig,
+             category: str, seed: int, experiment_id: str, label: str):
+    """One student as a stage run keyed by its inputs: trained, or read back when an earlier run finished it."""
+    key = cache_key(STAGE_VERSION, STUDENT_STAGE, shared.data.outputs["digests"], shared.teacher.run_id,
+                    cfg.teacher_train.to_dict(), tc.to_dict(), cfg.eval_batch_size, cfg.precision, DRIFT_LAYERS)
+    tags = {keys.CATEGORY_TAG: category, keys.SEED_TAG: str(seed), keys.METHOD_TAG: tc.method,
+            keys.SETTING_TAG: label, **shared.tags()}
+    return stage_run(experiment_id, STUDENT_STAGE, key, lambda: _train_and_measure(cfg, shared, tc, refs),
+                     params={"category": category, "seed": seed, "student": cfg.student, "teacher": cfg.teacher,
+                             "train": tc.to_dict()}, tags=tags)
+
+
+def _id_val_accuracy(run, source: str) -> float:
+    return run.outputs["val"][source]["accuracy"]
+
+
 def run_instance(study: StudyConfig, category: str, seed: int, experiment_id: str, progress: Progress) -> dict:
-    """One protocol instance: shared stages, then every student setting. Returns its records."""
+    """One protocol instance: shared stages, the budget search (when asked), then every student setting.
+    Returns its records."""
     cfg = protocol_for(study, category, seed)
     shared = prepare_shared(cfg, experiment_id)
     refs = _References(cfg, shared, study.layer_choices)
-    students = []
-    for tc in student_settings(study, cfg.student_train):
-        label = f"{category} seed {seed} {setting_label(tc)}"
-        key = cache_key(STAGE_VERSION, STUDENT_STAGE, shared.data.outputs["digests"], shared.teacher.run_id,
-                        cfg.teacher_train.to_dict(), tc.to_dict(), cfg.eval_batch_size, cfg.precision, DRIFT_LAYERS)
-        tags = {keys.CATEGORY_TAG: category, keys.SEED_TAG: str(seed), keys.METHOD_TAG: tc.method,
-                keys.SETTING_TAG: setting_label(tc), **shared.tags()}
+    main_labels, base, searched, naive_best = study.teacher_labels[0], cfg.student_train, [], {}
+    for tc in budget_settings(study, cfg.student_train):
+        label = f"naive {tc.teacher_labels} labels lr={tc.learning_rate:g} epochs={tc.epochs}"
         started = time.time()
-        run = stage_run(experiment_id, STUDENT_STAGE, key, lambda: _train_and_measure(cfg, shared, tc, refs),
-                        params={"category": category, "seed": seed, "student": cfg.student, "teacher": cfg.teacher,
-                                "train": tc.to_dict()}, tags=tags)
-        progress.step(label, time.time() - started, run.reused)
-        students.append({"setting": setting_label(tc), "method": tc.method, "anchor_lambda": tc.anchor_lambda,
+        run = _student(cfg, shared, refs, tc, category, seed, experiment_id, f"budget: {label}")
+        progress.step(f"{category} seed {seed} budget: {label}", time.time() - started, run.reused)
+        searched.append({"teacher_labels": tc.teacher_labels, "learning_rate": tc.learning_rate, "epochs": tc.epochs,
+                         "run_id": run.run_id, "val_id_acc": _id_val_accuracy(run, cfg.source)})
+        best = naive_best.get(tc.teacher_labels)
+        if best is None or searched[-1]["val_id_acc"] > best[1]:  # a tie goes to the budget listed first
+            naive_best[tc.teacher_labels] = (tc, searched[-1]["val_id_acc"])
+    if searched:  # the highest validation ID accuracy; a tie goes to the labels listed first
+        chosen, accuracy = max(naive_best.values(), key=lambda b: (b[1], -study.teacher_labels.index(b[0].teacher_labels)))
+        main_labels = chosen.teacher_labels
+        base = TrainConfig(**{**cfg.student_train.to_dict(), "learning_rate": chosen.learning_rate, "epochs": chosen.epochs})
+        progress.print_fn(f"{category} seed {seed}: {main_labels} teacher labels, lr={chosen.learning_rate:g}, "
+                          f"epochs={chosen.epochs} (naive W2S validation ID accuracy {accuracy:.1f}) train every method")
+    students = []
+    for tc in student_settings(study, base, main_labels, {k: tc for k, (tc, _) in naive_best.items()}):
+        setting = setting_label(tc, main_labels)
+        started = time.time()
+        run = _student(cfg, shared, refs, tc, category, seed, experiment_id, setting)
+        progress.step(f"{category} seed {seed} {setting}", time.time() - started, run.reused)
+        students.append({"setting": setting, "method": tc.method, "anchor_lambda": tc.anchor_lambda,
                          "anchor_layers": tc.anchor_layers if tc.method == "anchor" else None,
                          "confidence_alpha": tc.confidence_alpha if tc.method == "confidence" else None,
-                         "run_id": run.run_id, **run.outputs})
+                         "teacher_labels": tc.teacher_labels, "run_id": run.run_id, **run.outputs})
     return {
         "category": category, "seed": seed, "source": cfg.source, "targets": cfg.targets,
         "student": cfg.student, "teacher": cfg.teacher,
@@ -195,12 +262,14 @@ def run_instance(study: StudyConfig, category: str, seed: int, experiment_id: st
         "headline_targets": shared.headline_targets,
         "target_flags": shared.headline.flags, "headline_note": shared.headline.note,
         "teacher_calibration": shared.teacher_calibration,
+        "teacher_labels": main_labels,
+        "budget": {"learning_rate": base.learning_rate, "epochs": base.epochs, "searched": searched},
         "students": students,
     }
 
 
 def run_study(study: StudyConfig, experiment_id: str, print_fn: Callable[[str], None] = print) -> list[dict]:
-    per_instance = len(student_settings(study, TrainConfig()))
+    per_instance = len(student_settings(study, TrainConfig())) + len(budget_settings(study, TrainConfig()))
     progress = Progress(len(study.categories) * len(study.seeds) * per_instance, print_fn=print_fn)
     instances = []
     for category in study.categories:

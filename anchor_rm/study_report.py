@@ -64,17 +64,37 @@ def val_mean_nts(instance: dict, student: dict) -> float:
 
 def tuned(instance: dict, keep: Callable[[dict], bool]) -> dict:
     """The student with the best validation mean NTS among those `keep` accepts."""
-    candidates = [s for s in instance["students"] if keep(s)]
+    candidates = [s for s in instance["students"] if keep(s, main_labels(instance))]
     if not candidates:
         raise ValueError(f"{instance['category']} seed {instance['seed']}: no student to select from")
     return max(candidates, key=lambda s: val_mean_nts(instance, s))
 
 
-def _is(method: str, layers: str | None = None, lam: float | None = None) -> Callable[[dict], bool]:
-    def keep(s: dict) -> bool:
+def main_labels(instance: dict) -> str:
+    """The teacher labels every method of the instance trained on (study.json before they existed: raw)."""
+    return instance.get("teacher_labels", "raw")
+
+
+def _is(method: str, layers: str | None = None, lam: float | None = None,
+        labels: str | None = None) -> Callable[[dict], bool]:
+    """Students of `method` (and layer choice, lambda); trained on `labels`, by default the instance's main ones
+    (a student records them as teacher_labels; one recorded before they existed trained on raw labels)."""
+    def keep(s: dict, main: str = "raw") -> bool:
         return (s["method"] == method and (layers is None or s["anchor_layers"] == layers)
-                and (lam is None or math.isclose(s["anchor_lambda"], lam)))
+                and (lam is None or math.isclose(s["anchor_lambda"], lam))
+                and s.get("teacher_labels", "raw") == (labels or main))
     return keep
+
+
+def has(instance: dict, keep: Callable[..., bool]) -> bool:
+    return any(keep(s, main_labels(instance)) for s in instance["students"])
+
+
+def naive_label_modes(instances: Sequence[dict]) -> list[str]:
+    """The kinds of teacher labels every instance has a naive W2S student on, when there are several."""
+    found = [{s.get("teacher_labels", "raw") for s in inst["students"] if s["method"] == "naive"} for inst in instances]
+    common = sorted(set.intersection(*found)) if found else []
+    return common if len(common) > 1 else []
 
 
 def rows_for(instances: Sequence[dict]) -> list[tuple[str, list[Metrics], list[str]]]:
@@ -94,7 +114,10 @@ def rows_for(instances: Sequence[dict]) -> list[tuple[str, list[Metrics], list[s
         rows.append(("strong ceiling (gold labels)", [model_metrics(inst, inst["ceiling_scores"]["test"]) for inst in instances],
                      [inst["student"] for inst in instances]))
     rows.append(student_row("naive W2S", lambda inst: tuned(inst, _is("naive"))))
-    rows.append(student_row("confidence W2S (alpha tuned on val)", lambda inst: tuned(inst, _is("confidence"))))
+    for labels in naive_label_modes(instances):
+        rows.append(student_row(f"naive W2S, {labels} teacher labels", lambda inst, m=labels: tuned(inst, _is("naive", labels=m))))
+    if all(has(inst, _is("confidence")) for inst in instances):
+        rows.append(student_row("confidence W2S (alpha tuned on val)", lambda inst: tuned(inst, _is("confidence"))))
     for choice in layer_choices:
         rows.append(student_row(f"ANCHOR {choice} (lambda tuned on val)", lambda inst, c=choice: tuned(inst, _is("anchor", c))))
     for choice in layer_choices:
@@ -142,6 +165,29 @@ def main_table(rows) -> list[str]:
         lines.append(f"| {label} | {_acc_cell(_get(per_seed, 'id_acc'))} ({_n_cell(_get(per_seed, 'n_id'))}) | "
                      f"{_cell(_get(per_seed, 'wrg'))} | {_cell(_get(per_seed, 'mean_aog'))} | "
                      f"{_cell(_get(per_seed, 'mean_nts'), 2)} | {pgr} | {drift} | {choice} |")
+    return lines
+
+
+def teacher_table(instances: Sequence[dict]) -> list[str]:
+    """Per seed: the teacher's calibration on ID validation, raw and temperature-scaled, the temperature, which
+    labels the students got, and the W2S budget (with the search's validation ID accuracies when one ran)."""
+    lines = ["| seed | temperature (gold pairs) | ECE raw -> scaled | mean abs(q - 0.5) raw -> scaled | students' labels "
+             "| budget: lr, epochs (search: naive W2S val ID acc by labels lr/epochs) |", "|---|---|---|---|---|---|"]
+    for inst in instances:
+        c = inst.get("teacher_calibration") or {}
+        fit, scaled = c.get("temperature_fit"), c.get("calibrated")
+        temperature = f"{fit['temperature']:.3g} ({fit['n_pairs']})" if fit else "-"
+        ece = f"{c['ece']:.3f} -> {scaled['ece']:.3f}" if scaled else (f"{c['ece']:.3f}" if c else "-")
+        margin = (f"{c['mean_margin']:.3f} -> {scaled['mean_margin']:.3f}" if scaled
+                  else (f"{c['mean_margin']:.3f}" if c else "-"))
+        budget = inst.get("budget")
+        if budget:
+            search = "; ".join(f"{b.get('teacher_labels', '')} {b['learning_rate']:g}/{b['epochs']}: {b['val_id_acc']:.1f}"
+                               for b in budget["searched"])
+            budget_cell = f"{budget['learning_rate']:g}, {budget['epochs']}" + (f" ({search})" if search else "")
+        else:
+            budget_cell = "-"
+        lines.append(f"| {inst['seed']} | {temperature} | {ece} | {margin} | {main_labels(inst)} | {budget_cell} |")
     return lines
 
 
@@ -210,6 +256,9 @@ def paired_bootstrap(instance: dict, a: dict, b: dict, resamples: int = 2000, se
 def primary_comparison(instances: Sequence[dict], rows) -> list[str]:
     """The one comparison fixed before the run, its t interval over seeds and a bootstrap per seed."""
     a, b = PRIMARY
+    labels = {label for label, _, _ in rows}
+    if a not in labels or b not in labels:
+        return [f"- not run: the study has no {a if a not in labels else b} row"]
     lines = [f"- {paired(rows, a, b)}"]
     for inst in instances:
         boot = paired_bootstrap(inst, tuned(inst, _is("anchor", "last")), tuned(inst, _is("naive")))
@@ -255,6 +304,7 @@ def _plot(instances_by_category: dict[str, list[dict]], rows_by_category: dict, 
         """NTS against lambda per layer choice; lambda 0 (naive) drawn one decade left of the smallest lambda."""
         rows = rows_by_category[cat]
         naive = _mean_sd(_get(next(r for l, r, _ in rows if l == "naive W2S"), "mean_nts"))
+        drawn = False
         for choice, marker in (("last", "o"), ("middle", "s")):
             sweep = [(float(l.split("lambda ")[1]), r) for l, r, _ in rows if l.startswith(f"ANCHOR {choice}, lambda ")]
             if not sweep:
@@ -263,6 +313,10 @@ def _plot(instances_by_category: dict[str, list[dict]], rows_by_category: dict, 
             xs = [min(lams) / 10] + lams
             stats = [naive] + [_mean_sd(_get(r, "mean_nts")) for _, r in sweep]
             ax.errorbar(xs, [s[0] for s in stats], yerr=[s[1] for s in stats], marker=marker, capsize=3, label=f"ANCHOR {choice}")
+            drawn = True
+        if not drawn:
+            ax.set_title(f"{cat}: no ANCHOR students in this study")
+            return
         ax.set_xscale("log")
         ax.axhline(0, color="grey", lw=0.8)
         ax.set_title(f"{cat}: test mean NTS vs anchor lambda")
@@ -319,6 +373,7 @@ def write_study_report(instances: list[dict], out: str | Path) -> list[Path]:
         lines += [f"## {cat}: source {first['source']}, student {first['student']}, teacher {first['teacher']}", "",
                   f"Seeds: {', '.join(str(i['seed']) for i in insts)}. Test pairs per seed: {sizes}.", ""]
         lines += main_table(rows) + [""]
+        lines += teacher_table(insts) + [""]
         lines += [f"### {cat}: per OOD target (AOG and NTS, points)", ""] + target_table(rows, first["targets"]) + [""]
         lines += [f"### {cat}: the primary comparison (fixed before the run)", "",
                   f"{PRIMARY[0]} minus {PRIMARY[1]}, test mean OOD NTS over the headline targets "
@@ -330,10 +385,16 @@ def write_study_report(instances: list[dict], out: str | Path) -> list[Path]:
         anchor_rows = [label for label, _, _ in rows if label.startswith("ANCHOR") and "tuned" in label]
         for a in anchor_rows:
             for b in ("naive W2S", "confidence W2S (alpha tuned on val)"):
-                lines.append(f"- {paired(rows, a, b)}")
+                if b in {label for label, _, _ in rows}:
+                    lines.append(f"- {paired(rows, a, b)}")
         if len(anchor_rows) == 2:
             lines.append(f"- {paired(rows, anchor_rows[0], anchor_rows[1])}")
         lines.append(f"- {paired(rows, 'naive W2S', 'weak teacher', 'id_acc')}")
+        modes = naive_label_modes(insts)
+        for i, a in enumerate(modes):
+            for b in modes[i + 1:]:
+                for key in ("id_acc", "mean_nts"):
+                    lines.append(f"- {paired(rows, f'naive W2S, {a} teacher labels', f'naive W2S, {b} teacher labels', key)}")
         pearson, spearman, n = correlations(insts)
         lines += [f"- drift (last layer, MSD) vs OOD drop over {n} student runs: Pearson {pearson:+.2f}, Spearman {spearman:+.2f}", ""]
     paths = _plot(by_category, rows_by_category, out)

@@ -36,6 +36,9 @@ from anchor_rm.scoring import EncodedPairs, fp32_reward_head, reward_forward
 METHODS = ("naive", "confidence", "anchor", "gold")
 
 
+TEACHER_LABELS = ("raw", "calibrated")
+
+
 @dataclass
 class TrainConfig:
     """Hyperparameters of one student (or teacher) training run."""
@@ -60,6 +63,9 @@ class TrainConfig:
     # no backward pass through them and no optimiser state, a CPU lever (docs/benchmarks.md, Freezing the lower
     # layers). Every anchored layer must lie above them. 0: full fine-tuning.
     frozen_layers: int = 0
+    # The weak teacher's soft labels a W2S student trains on: "raw", or "calibrated" (temperature-scaled on the
+    # gold teacher_calibration split, metrics.fit_temperature). Not used by gold training.
+    teacher_labels: str = "raw"
 
     def __post_init__(self):
         if self.method not in METHODS:
@@ -76,6 +82,8 @@ class TrainConfig:
         if self.learning_rate <= 0:
             raise ValueError(f"learning_rate must be > 0, got {self.learning_rate}")
         check_precision(self.precision, "precision")
+        if self.teacher_labels not in TEACHER_LABELS:
+            raise ValueError(f"teacher_labels must be one of {', '.join(TEACHER_LABELS)}, got {self.teacher_labels!r}")
 
     @property
     def uses_anchor(self) -> bool:

@@ -79,7 +79,7 @@ def in_memory_splits(source: str, seed: int, caps: dict):
         own = [p for p in clean_pairs(load_dataset_pairs(target))[0] if prompt_group(p.prompt) not in groups]
         ood[target] = {k: capped(v, f"ood_{k}", target) for k, v in split_by_prompt(own, {"val": 0.5, "test": 0.5}, seed).items()}
     return ProtocolSplits(source, parts["teacher_train"], parts["student_train"], parts["id_val"], parts["id_test"], ood,
-                          {source: counts.to_dict()})
+                          {source: counts.to_dict()}, teacher_calibration=parts["teacher_calibration"])
 
 
 def measure(source: str, max_length: int, loader: str) -> dict:
@@ -103,7 +103,7 @@ def measure(source: str, max_length: int, loader: str) -> dict:
     started = time.perf_counter()
     encoded = encode_pairs(RewardEncoder(tokenizer, max_length, decoder=False), splits.student_train)
     encode_s = time.perf_counter() - started
-    every = [splits.teacher_train, splits.student_train, splits.id_val, splits.id_test,
+    every = [splits.teacher_train, splits.teacher_calibration, splits.student_train, splits.id_val, splits.id_test,
              *[v for parts in splits.ood.values() for v in parts.values()]]
     return {"loader": loader, "split_seconds": split_s, "encode_seconds": encode_s, "student_train": len(encoded),
             "counts": splits.counts.get(splits.source, {}),

@@ -40,6 +40,13 @@ def add_precision_argument(parser) -> None:
                              "AVX512-BF16 or AMX) and fp32 everywhere else; the choice is logged and recorded")
 
 
+def add_teacher_labels_argument(parser) -> None:
+    parser.add_argument("--teacher-labels", choices=["raw", "calibrated"],
+                        help="the weak teacher's soft labels the students train on: raw, or calibrated (scaled by the "
+                             "temperature fitted on the gold teacher_calibration split, which no model trains on); "
+                             "default: the preset's")
+
+
 UNITS = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12, "KIB": 2**10, "MIB": 2**20, "GIB": 2**30,
          "TIB": 2**40}
 

@@ -40,6 +40,14 @@ def _ints(text: str) -> list[int]:
         raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {text!r}") from None
 
 
+def _budgets(text: str) -> list[tuple[float, int]]:
+    try:
+        return [(float(lr), int(epochs)) for lr, epochs in (part.split(":") for part in text.split(",") if part.strip())]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected comma-separated learning_rate:epochs, e.g. 1e-4:2,3e-4:2; "
+                                         f"got {text!r}") from None
+
+
 def _names(text: str) -> list[str]:
     return [part.strip() for part in text.split(",") if part.strip()]
 
@@ -53,6 +61,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--layers", type=_names, default=["last", "middle"], help="ANCHOR layer choices (default last,middle)")
     p.add_argument("--confidence-alphas", type=_floats, default=[0.5, 0.75],
                    help="confidence W2S settings tuned on validation (default 0.5,0.75)")
+    p.add_argument("--teacher-labels", type=_names, default=[],
+                   help="the teacher's labels every method trains on, then others for an extra naive W2S row each: "
+                        "raw, calibrated (temperature-scaled on gold teacher_calibration pairs); default: the "
+                        "preset's, then the other")
+    p.add_argument("--budgets", type=_budgets, default=[],
+                   help="learning_rate:epochs budgets searched per seed on naive W2S's validation ID accuracy; the "
+                        "chosen one trains every method (default: none, the preset's 1e-4:2)")
     p.add_argument("--preset", choices=["study", "smoke"], default="study",
                    help="study: the sizes of docs/results.md; smoke: tiny, for tests")
     add_precision_argument(p)
@@ -72,7 +87,8 @@ def main(argv=None) -> int:
         from anchor_rm.mlflow_edge.store import configure, resolve_tracking_uri
 
         study = StudyConfig(categories=args.categories, seeds=args.seeds, lambdas=args.lambdas, layer_choices=args.layers,
-                            confidence_alphas=args.confidence_alphas, preset=args.preset, precision=args.precision)
+                            confidence_alphas=args.confidence_alphas, teacher_labels=args.teacher_labels,
+                            budgets=args.budgets, preset=args.preset, precision=args.precision)
         out = Path(args.out)
         out.mkdir(parents=True, exist_ok=True)
         started = time.perf_counter()

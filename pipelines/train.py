@@ -18,7 +18,8 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _common import add_precision_argument, apply_shared_flags, clean_errors, protocol_parser, setup_logging  # noqa: E402
+from _common import (add_precision_argument, add_teacher_labels_argument, apply_shared_flags, clean_errors,  # noqa: E402
+                     protocol_parser, setup_logging)
 
 log = logging.getLogger("anchor_rm")
 
@@ -44,6 +45,7 @@ def build_parser() -> argparse.ArgumentParser:
                         "(no gradient, no optimiser state; their forward pass still runs): about 0.8x the epoch "
                         "time for K=2 of MiniLM-L6 on an AVX2 CPU (docs/benchmarks.md); every anchored layer must "
                         "lie above K (default 0: full fine-tuning)")
+    add_teacher_labels_argument(p)
     p.add_argument("--seed", type=int)
     add_precision_argument(p)
     p.add_argument("--min-gap", type=float, metavar="POINTS",
@@ -66,7 +68,7 @@ def config_from_args(args):
         cfg.targets = [t.strip() for t in args.targets.split(",") if t.strip()]
     cfg.train_ceiling = not args.no_ceiling
     student_flags = ("method", "anchor_lambda", "anchor_layers", "confidence_alpha", "epochs", "batch_size",
-                     "learning_rate", "max_length", "frozen_layers")
+                     "learning_rate", "max_length", "frozen_layers", "teacher_labels")
     return apply_shared_flags(cfg, args, {name: getattr(args, name) for name in student_flags})
 
 

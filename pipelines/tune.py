@@ -21,8 +21,8 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from _common import (add_precision_argument, apply_shared_flags, byte_size, clean_errors, protocol_parser,  # noqa: E402
-                     setup_logging)
+from _common import (add_precision_argument, add_teacher_labels_argument, apply_shared_flags, byte_size,  # noqa: E402
+                     clean_errors, protocol_parser, setup_logging)
 
 
 
@@ -38,6 +38,7 @@ def build_parser() -> argparse.ArgumentParser:
                         "(no gradient, no optimiser state; their forward pass still runs): about 0.8x the epoch "
                         "time for K=2 of MiniLM-L6 on an AVX2 CPU (docs/benchmarks.md); every anchored layer must "
                         "lie above K (default 0: full fine-tuning)")
+    add_teacher_labels_argument(p)
     p.add_argument("--max-failures", type=int, default=2, metavar="N",
                    help="times Ray Train restarts a trial's workers from its last checkpoint after a worker fails "
                         "(default 2); Tune then retries the whole trial once more")
@@ -73,7 +74,7 @@ def build_parser() -> argparse.ArgumentParser:
 def tune_config(args):
     from anchor_rm.config import tune_preset
 
-    student_train = {"epochs": args.epochs, "frozen_layers": args.frozen_layers}
+    student_train = {"epochs": args.epochs, "frozen_layers": args.frozen_layers, "teacher_labels": args.teacher_labels}
     return apply_shared_flags(tune_preset(args.preset, args.category), args, student_train)
 
 

@@ -133,6 +133,38 @@ def test_transfer_metrics_checks_its_inputs():
     assert math.isfinite(transfer_metrics({"hh": 0.0, "uf": 100.0}, {"hh": 100.0, "uf": 0.0}, "hh").mean_nts)
 
 
+def _underconfident_teacher(scale: float, n: int = 4000, seed: int = 0):
+    """Gold pairs (chosen first) scored by a teacher whose margins are the true log-odds times `scale`."""
+    rng = np.random.default_rng(seed)
+    true = rng.normal(0.8, 1.0, n)  # log-odds that the first response is the better one
+    first_better = rng.random(n) < 1 / (1 + np.exp(-true))
+    margins = np.where(first_better, true, -true) * scale  # reoriented so that the chosen response comes first
+    return 1 / (1 + np.exp(-margins))
+
+
+def test_temperature_scaling_recovers_how_underconfident_a_teacher_is():
+    from anchor_rm.metrics import apply_temperature, calibration, fit_temperature
+
+    q = _underconfident_teacher(scale=0.1)  # labels ten times too close to 0.5
+    fit = fit_temperature(q)
+    assert fit["temperature"] == pytest.approx(0.1, rel=0.1) and fit["n_pairs"] == 4000
+    assert fit["nll_calibrated"] < fit["nll_raw"]
+    scaled = apply_temperature(q, fit["temperature"])
+    assert calibration(scaled)["ece"] < calibration(q)["ece"] / 3
+    assert calibration(scaled)["mean_margin"] > 5 * calibration(q)["mean_margin"]
+    assert (scaled > 0.5).tolist() == (q > 0.5).tolist()  # the ranking, so the accuracy, is the same
+    assert fit_temperature(_underconfident_teacher(scale=1.0, seed=1))["temperature"] == pytest.approx(1.0, rel=0.1)
+    assert apply_temperature([0.5, 0.5], 0.01).tolist() == [0.5, 0.5]  # no opinion stays no opinion
+    # no information at all: nothing beats T = 1, which is kept
+    assert fit_temperature([0.5] * 10) == {"temperature": 1.0, "n_pairs": 10, "nll_raw": pytest.approx(math.log(2)),
+                                          "nll_calibrated": pytest.approx(math.log(2))}
+    with pytest.raises(ValueError, match="q_gold: expected"):
+        fit_temperature([1.5])
+    for bad in (0.0, -1.0, float("inf"), "2"):
+        with pytest.raises(ValueError, match="temperature: expected"):
+            apply_temperature([0.6], bad)
+
+
 def test_calibration_of_soft_labels_on_gold_pairs():
     from anchor_rm.metrics import calibration
 

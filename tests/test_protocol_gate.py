@@ -55,3 +55,22 @@ def test_the_headline_keeps_targets_of_headline_size_whose_ceiling_is_clearly_ab
     assert _shared(teacher, None).headline_targets == ["ultrafeedback", "llmbar", "pandalm"]  # sizes alone
     fallback = _shared(teacher, _scores(hh_helpful=66.0, ultrafeedback=52.0, llmbar=41.0, pandalm=55.0))
     assert fallback.headline_targets == ["ultrafeedback", "llmbar", "pandalm"] and "read it as noise" in fallback.headline.note
+
+
+@pytest.mark.timeout(60)
+def test_students_get_the_teachers_labels_raw_or_scaled_by_its_fitted_temperature():
+    from anchor_rm.training import TrainConfig
+
+    shared = _shared(_scores(hh_helpful=58.0), None)
+    raw = [0.52, 0.5, 0.47]
+    shared.teacher.outputs.update(soft_labels=raw, calibration={"temperature_fit": {"temperature": 0.5}})
+    assert shared.soft_labels("raw") is raw and shared.temperature == 0.5
+    # sigmoid(logit(q) / 0.5): twice the margin; 0.5 stays 0.5 and the ranking is kept
+    assert shared.soft_labels("calibrated") == pytest.approx([0.52**2 / (0.52**2 + 0.48**2), 0.5, 0.47**2 / (0.47**2 + 0.53**2)])
+    with pytest.raises(ValueError, match="teacher labels must be raw or calibrated, got 'hard'"):
+        shared.soft_labels("hard")
+    with pytest.raises(ValueError, match="teacher_labels must be one of raw, calibrated, got 'scaled'"):
+        TrainConfig(teacher_labels="scaled")
+    shared.teacher.outputs["calibration"] = {"ece": 0.1}  # a teacher stage from before the temperature existed
+    with pytest.raises(ValueError, match="teacher run t has no fitted temperature"):
+        shared.soft_labels("calibrated")

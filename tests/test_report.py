@@ -548,3 +548,20 @@ def test_teacher_calibration_round_trips_and_is_rendered(tmp_path):
     data["teacher_calibration"]["mean_margin"] = 0.7
     with pytest.raises(ValueError, match="teacher_calibration.mean_margin"):
         validate_report_dict(data)
+
+
+def test_the_teachers_temperature_and_scaled_labels_round_trip_and_are_rendered(tmp_path):
+    measured = {"dataset": "pku-saferlhf", "split": "val", "n_pairs": 300, "bins": 10, "ece": 0.071,
+                "mean_margin": 0.02, "accuracy": 57.0, "mean_confidence": 0.52,
+                "temperature_fit": {"split": "teacher_calibration", "temperature": 0.25, "n_pairs": 494,
+                                    "nll_raw": 0.6901, "nll_calibrated": 0.6822},
+                "calibrated": {"n_pairs": 300, "bins": 10, "ece": 0.03, "mean_margin": 0.08, "accuracy": 57.0,
+                               "mean_confidence": 0.58}}
+    report = example_report(teacher_calibration=measured)
+    assert read_report(write_report(report, tmp_path)["json"]).teacher_calibration == measured
+    assert ("- Teacher temperature 0.25, fitted on 494 gold `teacher_calibration` pairs (NLL 0.6901 -> 0.6822); "
+            "scaled labels on the same val split: ECE 0.030, mean |q - 0.5| 0.080") in report_to_markdown(report)
+    data = report.to_dict()
+    data["teacher_calibration"]["temperature_fit"]["temperature"] = 0
+    with pytest.raises(ValueError, match="teacher_calibration.temperature_fit.temperature"):
+        validate_report_dict(data)

@@ -141,7 +141,7 @@ def fake_loader(sizes: dict[str, int]):
 
 
 def source_splits(splits: ProtocolSplits) -> dict[str, list[PreferencePair]]:
-    return {k: getattr(splits, k) for k in ("teacher_train", "student_train", "id_val", "id_test")}
+    return {k: getattr(splits, k) for k in ("teacher_train", "teacher_calibration", "student_train", "id_val", "id_test")}
 
 
 def test_protocol_splits_are_disjoint_and_counted():
@@ -149,7 +149,7 @@ def test_protocol_splits_are_disjoint_and_counted():
     splits = build_protocol_splits("src", ["t1", "t2"], seed=0, loader=loader)
     parts = source_splits(splits)
     sizes = {k: len(v) for k, v in parts.items()}
-    assert sizes == {"teacher_train": 300, "student_train": 400, "id_val": 100, "id_test": 200}
+    assert sizes == {"teacher_train": 150, "teacher_calibration": 150, "student_train": 400, "id_val": 100, "id_test": 200}
     seen: set[str] = set()
     for part in parts.values():
         assert not prompts(part) & seen
@@ -165,7 +165,8 @@ def test_protocol_splits_are_disjoint_and_counted():
 def test_protocol_caps_subsample_within_each_split():
     loader = fake_loader({"src": 500, "t1": 100})
     full = build_protocol_splits("src", ["t1"], seed=4, loader=loader)
-    caps = {"teacher_train": 50, "student_train": 60, "id_val": 10, "id_test": 20, "ood_val": 7, "ood_test": 9}
+    caps = {"teacher_train": 50, "teacher_calibration": 15, "student_train": 60, "id_val": 10, "id_test": 20,
+            "ood_val": 7, "ood_test": 9}
     capped = build_protocol_splits("src", ["t1"], seed=4, loader=loader, max_pairs=caps)
     for key, part in source_splits(capped).items():
         assert len(part) == caps[key] and is_subsequence(part, source_splits(full)[key])
@@ -185,11 +186,15 @@ def test_protocol_rejects_empty_datasets_and_bad_arguments():
     with pytest.raises(DataError, match="'dead': no pair left after cleaning"):
         build_protocol_splits("src", ["dead"], seed=0, loader=loader)
     with pytest.raises(ValueError, match="sum to 1"):
-        bad = (("teacher_train", 0.5), ("student_train", 0.5), ("id_val", 0.1), ("id_test", 0.1))
+        bad = (("teacher_train", 0.5), ("teacher_calibration", 0.1), ("student_train", 0.5), ("id_val", 0.1),
+               ("id_test", 0.1))
         build_protocol_splits("src", ["t"], seed=0, loader=loader, source_fractions=bad)
+    with pytest.raises(ValueError, match="source_fractions must name teacher_train, teacher_calibration"):
+        old = (("teacher_train", 0.3), ("student_train", 0.4), ("id_val", 0.1), ("id_test", 0.2))
+        build_protocol_splits("src", ["t"], seed=0, loader=loader, source_fractions=old)
     with pytest.raises(ValueError, match="exclude the source"):
         build_protocol_splits("src", ["src"], seed=0, loader=loader)
-    with pytest.raises(DataError, match="split 'id_val' is empty"):
+    with pytest.raises(DataError, match=r"split '\w+' is empty; the dataset has too few prompts"):
         build_protocol_splits("src", ["t"], seed=0, loader=lambda name: toy(3, 1, name))
 
 
@@ -252,7 +257,8 @@ def in_memory_splits(source: str, targets: list[str], seed: int, caps: dict) -> 
         own = [p for p in clean_pairs(load_dataset_pairs(target))[0] if prompt_group(p.prompt) not in groups]
         halves = split_by_prompt(own, {"val": 0.5, "test": 0.5}, seed)
         ood[target] = {k: capped(v, f"ood_{k}", target) for k, v in halves.items()}
-    return ProtocolSplits(source, parts["teacher_train"], parts["student_train"], parts["id_val"], parts["id_test"], ood)
+    return ProtocolSplits(source, parts["teacher_train"], parts["student_train"], parts["id_val"], parts["id_test"], ood,
+                          teacher_calibration=parts["teacher_calibration"])
 
 
 @pytest.mark.timeout(120)
@@ -263,7 +269,7 @@ def test_streamed_protocol_gives_the_pairs_the_in_memory_functions_give(category
     source, targets = CATEGORIES[category]["source"], CATEGORIES[category]["targets"]
     streamed = build_protocol_splits(source, targets, seed, max_pairs=caps)
     expected = in_memory_splits(source, targets, seed, caps)
-    for split in ("teacher_train", "student_train", "id_val", "id_test"):
+    for split in ("teacher_train", "teacher_calibration", "student_train", "id_val", "id_test"):
         assert getattr(streamed, split) == getattr(expected, split), split
     assert streamed.ood == expected.ood
 
@@ -292,13 +298,14 @@ class Counted:
 
 @pytest.mark.timeout(120)
 def test_the_protocol_never_holds_a_whole_source_only_what_the_caps_keep():
-    caps = {"teacher_train": 20, "student_train": 30, "id_val": 10, "id_test": 10, "ood_val": 5, "ood_test": 5}
+    caps = {"teacher_train": 20, "teacher_calibration": 10, "student_train": 30, "id_val": 10, "id_test": 10,
+            "ood_val": 5, "ood_test": 5}
     loader = Counted(20_000)
     splits = build_protocol_splits("big", ["target"], 0, max_pairs=caps, loader=loader)
     assert loader.reads == 4  # two passes over each dataset
     assert [len(splits.teacher_train), len(splits.student_train), len(splits.id_val), len(splits.id_test)] == [20, 30, 10, 10]
     assert splits.counts["big"]["total"] == splits.counts["target"]["total"] == 20_000
-    # 40,000 pairs went by; at most the caps' 80 (and the two in hand: the loader's and the reader's) were
+    # 40,000 pairs went by; at most the caps' 90 (and the two in hand: the loader's and the reader's) were
     # ever alive together.
     assert loader.most_alive <= sum(caps.values()) + 2, loader.most_alive
 
@@ -342,3 +349,15 @@ def test_progress_writes_a_line_every_interval_and_a_total(caplog):
     assert lines[0].startswith("stage: 3 pairs so far") and lines[1].startswith("stage: 5 pairs so far"), lines
     assert lines[2].startswith("stage: 5 pairs in ") and lines[2].endswith("; done"), lines
     assert len(lines) == 3, lines
+
+
+def test_the_calibration_share_comes_out_of_the_teachers_and_moves_no_student_or_evaluation_pair():
+    from anchor_rm.splits import SOURCE_FRACTIONS
+
+    pairs = toy(400, 3, "src")
+    now = split_by_prompt(pairs, dict(SOURCE_FRACTIONS), seed=2)
+    before = split_by_prompt(pairs, {"teacher_train": 0.3, "student_train": 0.4, "id_val": 0.1, "id_test": 0.2}, seed=2)
+    for name in ("student_train", "id_val", "id_test"):
+        assert now[name] == before[name], name
+    assert sorted(now["teacher_train"] + now["teacher_calibration"], key=pairs.index) == before["teacher_train"]
+    assert now["teacher_calibration"] and not prompts(now["teacher_calibration"]) & prompts(now["teacher_train"])

@@ -121,18 +121,92 @@ def test_tuned_rows_select_on_validation_never_on_test(tmp_path):
     assert all(p.exists() and p.stat().st_size > 0 for p in paths)
 
 
+def test_study_settings_put_every_method_on_the_chosen_labels_and_the_other_labels_on_naive_only():
+    from anchor_rm.study import StudyConfig, budget_settings, setting_label, student_settings
+    from anchor_rm.training import TrainConfig
+
+    study = StudyConfig(categories=["harmless"], seeds=[0], lambdas=[1e-3], layer_choices=["last"],
+                        confidence_alphas=[0.5], teacher_labels=["raw", "calibrated"], budgets=[(1e-4, 2), (3e-4, 1)],
+                        precision="fp32")
+    base = TrainConfig(learning_rate=3e-4, epochs=1)
+    searched = budget_settings(study, base)
+    assert [(t.teacher_labels, t.learning_rate, t.epochs, t.method) for t in searched] == [
+        ("raw", 1e-4, 2, "naive"), ("raw", 3e-4, 1, "naive"), ("calibrated", 1e-4, 2, "naive"), ("calibrated", 3e-4, 1, "naive")]
+    # the search chose calibrated labels at 3e-4/1; raw labels did best at 1e-4/2: its naive row keeps that budget
+    settings = student_settings(study, base, "calibrated", {"raw": searched[0], "calibrated": searched[3]})
+    assert [setting_label(t, "calibrated") for t in settings] == [
+        "naive", "naive, raw teacher labels", "confidence alpha=0.5", "anchor last lambda=0.001"]
+    assert settings[0].to_dict() == searched[3].to_dict()  # the same inputs: the search's run is reused
+    assert settings[1].to_dict() == searched[0].to_dict()
+    assert {t.teacher_labels for t in settings[2:]} == {"calibrated"} and {t.learning_rate for t in settings[2:]} == {3e-4}
+    # without a search: the first labels train every method at the base budget
+    plain = student_settings(StudyConfig(categories=["harmless"], lambdas=[], confidence_alphas=[], precision="fp32"), base)
+    assert [(t.method, t.teacher_labels, t.learning_rate) for t in plain] == [("naive", "raw", 3e-4), ("naive", "calibrated", 3e-4)]
+    for bad, match in (({"teacher_labels": ["raw", "raw"]}, "teacher labels must be distinct"),
+                       ({"teacher_labels": ["hard"]}, "among raw, calibrated"),
+                       ({"budgets": [(0.0, 2)]}, "budgets must be distinct"),
+                       ({"budgets": [(1e-4, 2), (1e-4, 2)]}, "budgets must be distinct")):
+        with pytest.raises(ValueError, match=match):
+            StudyConfig(categories=["harmless"], precision="fp32", **bad)
+
+
+def test_label_rows_compare_naive_on_raw_and_scaled_labels_and_the_teacher_table_shows_the_temperature(tmp_path):
+    from anchor_rm.study_report import rows_for, write_study_report
+
+    instances = [_instance(seed, {1e-3: 4.0}, {1e-3: 61.0}) for seed in (0, 1)]
+    for inst in instances:
+        inst["teacher_labels"] = "calibrated"
+        for s in inst["students"]:
+            s["teacher_labels"] = "calibrated"
+        raw = {**inst["students"][0], "setting": "naive, raw teacher labels", "teacher_labels": "raw",
+               "test": {"src": _s(58), "ood": _s(57)}}
+        inst["students"].insert(1, raw)
+        inst["teacher_calibration"] = {"ece": 0.08, "mean_margin": 0.02, "temperature_fit": {"temperature": 0.2, "n_pairs": 494},
+                                       "calibrated": {"ece": 0.03, "mean_margin": 0.09}}
+        inst["budget"] = {"learning_rate": 1e-4, "epochs": 2, "searched": [
+            {"teacher_labels": "raw", "learning_rate": 1e-4, "epochs": 2, "val_id_acc": 60.0},
+            {"teacher_labels": "calibrated", "learning_rate": 1e-4, "epochs": 2, "val_id_acc": 61.0}]}
+    rows = {label: per_seed for label, per_seed, _ in rows_for(instances)}
+    assert rows["naive W2S"][0]["id_acc"] == 61.0  # the chosen labels' naive student, not the raw one
+    assert rows["naive W2S, raw teacher labels"][0]["id_acc"] == 58.0
+    assert rows["naive W2S, calibrated teacher labels"][0]["id_acc"] == 61.0
+    assert rows["ANCHOR last (lambda tuned on val)"][0]["id_acc"] == 60.0
+    write_study_report(instances, tmp_path)
+    text = (tmp_path / "tables.md").read_text()
+    assert "| 0 | 0.2 (494) | 0.080 -> 0.030 | 0.020 -> 0.090 | calibrated | 0.0001, 2 (raw 0.0001/2: 60.0; calibrated 0.0001/2: 61.0) |" in text
+    assert "- naive W2S, calibrated teacher labels minus naive W2S, raw teacher labels, id_acc: +3.00" in text
+
+
 @pytest.mark.slow
 def test_study_pipeline_runs_logs_and_resumes(tmp_path):
     args = ["--preset", "smoke", "--categories", "harmless", "--seeds", "0", "--lambdas", "1e-2", "--layers", "last",
-            "--confidence-alphas", "0.75", "--out", str(tmp_path / "out"), "--tracking-uri", f"sqlite:///{tmp_path}/mlflow.db"]
+            "--confidence-alphas", "0.75", "--budgets", "1e-4:1,3e-4:1", "--out", str(tmp_path / "out"),
+            "--tracking-uri", f"sqlite:///{tmp_path}/mlflow.db"]
     first = run_pipeline("study.py", *args, cwd=tmp_path)
     assert first.returncode == 0, first.stderr[-3000:]
-    assert "[3/3] harmless seed 0 anchor last lambda=0.01" in first.stdout
+    assert "[8/8] harmless seed 0 anchor last lambda=0.01" in first.stdout
     data = json.loads((tmp_path / "out" / "study.json").read_text())
     (instance,) = data["instances"]
-    assert [s["setting"] for s in instance["students"]] == ["naive", "confidence alpha=0.75", "anchor last lambda=0.01"]
-    # the teacher's calibration and why each target is flagged, per seed (smoke splits are all under headline size)
-    assert instance["teacher_calibration"]["dataset"] == "pku-saferlhf" and instance["teacher_calibration"]["split"] == "val"
+    # the budget search: naive W2S on raw and on calibrated labels at each budget; the best on validation ID
+    # accuracy trains every method, and the other labels' naive row keeps its own best budget
+    searched = instance["budget"]["searched"]
+    assert [(b["teacher_labels"], b["learning_rate"]) for b in searched] == [
+        ("raw", 1e-4), ("raw", 3e-4), ("calibrated", 1e-4), ("calibrated", 3e-4)]
+    best = max(searched, key=lambda b: (b["val_id_acc"], -searched.index(b)))
+    main, other = best["teacher_labels"], {"raw": "calibrated", "calibrated": "raw"}[best["teacher_labels"]]
+    assert instance["teacher_labels"] == main and instance["budget"]["learning_rate"] == best["learning_rate"]
+    assert f"{main} teacher labels, lr={best['learning_rate']:g}, epochs=1" in first.stdout
+    assert [s["setting"] for s in instance["students"]] == ["naive", f"naive, {other} teacher labels",
+                                                            "confidence alpha=0.75", "anchor last lambda=0.01"]
+    assert instance["students"][0]["run_id"] == best["run_id"]  # the search's run, reused
+    assert first.stdout.count("reused a finished run") == 2
+    assert [s["teacher_labels"] for s in instance["students"]] == [main, other, main, main]
+    # the teacher's calibration, its temperature and why each target is flagged, per seed (smoke splits are all
+    # under headline size)
+    calibration = instance["teacher_calibration"]
+    assert calibration["dataset"] == "pku-saferlhf" and calibration["split"] == "val"
+    assert calibration["temperature_fit"]["split"] == "teacher_calibration" and calibration["temperature_fit"]["temperature"] > 0
+    assert calibration["calibrated"]["accuracy"] == calibration["accuracy"]  # scaling keeps the ranking
     assert set(instance["target_flags"]) == {"hh-harmless-base", "safetext", "hhh-harmless"}
     assert instance["headline_note"].startswith("no target has headline size")
     for s in instance["students"]:
@@ -142,12 +216,12 @@ def test_study_pipeline_runs_logs_and_resumes(tmp_path):
 
     mlflow.set_tracking_uri(f"sqlite:///{tmp_path}/mlflow.db")
     runs = mlflow.search_runs(experiment_names=["anchor-rm-study"], filter_string="tags.`anchor_rm.stage` = 'study-student'")
-    assert len(runs) == 3 and set(runs["status"]) == {"FINISHED"}
+    assert len(runs) == 6 and set(runs["status"]) == {"FINISHED"}
     assert "metrics.drift/last/msd/pku-saferlhf" in runs.columns
 
     again = run_pipeline("study.py", *args, cwd=tmp_path)  # resumed: nothing is trained twice
     assert again.returncode == 0, again.stderr[-3000:]
-    assert again.stdout.count("reused a finished run") == 3 and "training" not in again.stderr
+    assert again.stdout.count("reused a finished run") == 8 and "training" not in again.stderr
     assert len(mlflow.search_runs(experiment_names=["anchor-rm-study"])) == len(runs) + 3  # + data, teacher, ceiling
     assert json.loads((tmp_path / "out" / "study.json").read_text())["instances"] == data["instances"]
 

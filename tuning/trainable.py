@@ -255,7 +255,7 @@ def make_payload(cfg: ProtocolConfig, shared, *, tracking_uri: str, experiment_i
     gpus = ray.cluster_resources().get("GPU", 0)
     cpus_per_worker, threads_per_worker = worker_resources(node_cpus(), concurrency, workers_per_trial)
     payload = SharedPayload(
-        cfg=cfg, splits=shared.splits, soft_labels=shared.soft_labels,
+        cfg=cfg, splits=shared.splits, soft_labels=shared.soft_labels(cfg.student_train.teacher_labels),
         teacher_val=shared.teacher.outputs["scores"]["val"], headline_targets=shared.headline_targets,
         tracking_uri=tracking_uri, experiment_id=experiment_id, parent_run_id=parent_run_id,
         storage_path=storage_path, num_workers=workers_per_trial, cpus_per_worker=cpus_per_worker,
