@@ -188,7 +188,23 @@ def teacher_table(instances: Sequence[dict]) -> list[str]:
         else:
             budget_cell = "-"
         lines.append(f"| {inst['seed']} | {temperature} | {ece} | {margin} | {main_labels(inst)} | {budget_cell} |")
+    preferred = budget_preference(instances)
+    if preferred:
+        lines += ["", "Naive W2S validation ID accuracy by teacher labels and budget, mean over the seeds: " + "; ".join(
+            f"{labels} {lr:g}/{epochs}: {acc:.2f}" for (labels, lr, epochs), acc in preferred) +
+            f". Validation prefers {preferred[0][0][0]} labels at learning rate {preferred[0][0][1]:g}, "
+            f"{preferred[0][0][2]} epochs."]
     return lines
+
+
+def budget_preference(instances: Sequence[dict]) -> list[tuple[tuple[str, float, int], float]]:
+    """((labels, learning rate, epochs), mean validation ID accuracy of naive W2S over the seeds), best first,
+    for the settings every seed's budget search tried; [] without a search."""
+    per_seed = [{(b.get("teacher_labels", "raw"), b["learning_rate"], b["epochs"]): b["val_id_acc"]
+                 for b in (inst.get("budget") or {}).get("searched", [])} for inst in instances]
+    common = [k for k in per_seed[0] if all(k in seed for seed in per_seed)] if per_seed else []
+    means = [(k, float(np.mean([seed[k] for seed in per_seed]))) for k in common]
+    return sorted(means, key=lambda item: -item[1])  # stable: a tie keeps the search's order
 
 
 def target_table(rows, targets: list[str]) -> list[str]:
