@@ -203,8 +203,9 @@ def budget_preference(instances: Sequence[dict]) -> list[tuple[tuple[str, float,
     per_seed = [{(b.get("teacher_labels", "raw"), b["learning_rate"], b["epochs"]): b["val_id_acc"]
                  for b in (inst.get("budget") or {}).get("searched", [])} for inst in instances]
     common = [k for k in per_seed[0] if all(k in seed for seed in per_seed)] if per_seed else []
-    means = [(k, float(np.mean([seed[k] for seed in per_seed]))) for k in common]
-    return sorted(means, key=lambda item: -item[1])  # stable: a tie keeps the search's order
+    # Rounded: equal pair counts summed in another order must tie, and a tie keeps the search's order.
+    means = [(k, round(float(np.mean([seed[k] for seed in per_seed])), 9)) for k in common]
+    return sorted(means, key=lambda item: -item[1])
 
 
 def target_table(rows, targets: list[str]) -> list[str]:
