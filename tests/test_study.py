@@ -139,9 +139,9 @@ def test_study_settings_put_every_method_on_the_chosen_labels_and_the_other_labe
     assert settings[0].to_dict() == searched[3].to_dict()  # the same inputs: the search's run is reused
     assert settings[1].to_dict() == searched[0].to_dict()
     assert {t.teacher_labels for t in settings[2:]} == {"calibrated"} and {t.learning_rate for t in settings[2:]} == {3e-4}
-    # without a search: the first labels train every method at the base budget
+    # without a search: the first labels (by default the preset's: calibrated) train every method at the base budget
     plain = student_settings(StudyConfig(categories=["harmless"], lambdas=[], confidence_alphas=[], precision="fp32"), base)
-    assert [(t.method, t.teacher_labels, t.learning_rate) for t in plain] == [("naive", "raw", 3e-4), ("naive", "calibrated", 3e-4)]
+    assert [(t.method, t.teacher_labels, t.learning_rate) for t in plain] == [("naive", "calibrated", 3e-4), ("naive", "raw", 3e-4)]
     for bad, match in (({"teacher_labels": ["raw", "raw"]}, "teacher labels must be distinct"),
                        ({"teacher_labels": ["hard"]}, "among raw, calibrated"),
                        ({"budgets": [(0.0, 2)]}, "budgets must be distinct"),
