@@ -267,9 +267,9 @@ def run_student(cfg: ProtocolConfig, shared: SharedStages, train_cfg: TrainConfi
             log.info("epoch %d: val mean NTS %.2f, val ID acc %.1f", epoch, metrics["val/mean_nts"],
                      metrics[f"val/acc/{keys.metric_name(shared.splits.source)}"])
 
-        train_student(rm, shared.splits.student_train, shared.soft_labels(train_cfg.teacher_labels), train_cfg, ActiveRunSink(),
-                      validation=shared.validation(cfg.eval_batch_size, cfg.precision), reference=reference,
-                      after_epoch=after_epoch)
+        train_student(rm, shared.splits.student_train, shared.soft_labels(train_cfg.teacher_labels), train_cfg,
+                      ActiveRunSink(), validation=shared.validation(cfg.eval_batch_size, cfg.precision),
+                      reference=reference, after_epoch=after_epoch)
         info = {"name": f"{cfg.student} ({train_cfg.method})", "student": cfg.student, "teacher": cfg.teacher,
                 "method": train_cfg.method, "hyperparameters": train_cfg.to_dict(), "run_id": run_id}
         report = final_report(shared, rm, info, cfg.eval_batch_size, cfg.precision)

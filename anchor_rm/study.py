@@ -162,7 +162,8 @@ def _train_and_measure(cfg: ProtocolConfig, shared: SharedStages, tc: TrainConfi
     depth = rm.model.config.num_hidden_layers
     layer_sets = {choice: resolve_anchor_layers(choice, depth) for choice in DRIFT_LAYERS}
     reference = refs.train(rm) if tc.uses_anchor else None
-    trained = train_student(rm, shared.splits.student_train, shared.soft_labels(tc.teacher_labels), tc, ActiveRunSink(), reference=reference)
+    trained = train_student(rm, shared.splits.student_train, shared.soft_labels(tc.teacher_labels), tc, ActiveRunSink(),
+                            reference=reference)
     val, val_metrics = shared.validation(cfg.eval_batch_size, cfg.precision).measure(rm)  # once, after training
     runs.log_metrics(val_metrics)
     eval_refs = refs.evaluation(rm, sorted({layer for layers in layer_sets.values() for layer in layers}))
