@@ -224,7 +224,8 @@ def prepare_shared(cfg: ProtocolConfig, experiment_id: str) -> SharedStages:
                           splits.teacher_train, label_pairs=splits.student_train)
     ceiling = None
     if cfg.train_ceiling:
-        gold = TrainConfig(**{**cfg.student_train.to_dict(), "method": "gold"})
+        # Gold training reads no teacher labels: their mode is left at the default so that it keys no ceiling.
+        gold = TrainConfig(**{**cfg.student_train.to_dict(), "method": "gold", "teacher_labels": "raw"})
         ceiling = _gold_stage("ceiling", cfg.student, gold, cfg, splits, data, experiment_id, splits.student_train)
     return SharedStages(splits, data, teacher, ceiling)
 
