@@ -92,6 +92,33 @@ CATEGORIES: dict[str, dict[str, Any]] = {
 _HUB_NAME = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
 
 
+def hub_originals(name: str) -> list[str]:
+    """The hub datasets a catalog name reads with from_hub=True (a union's, part by part); [] where any part has
+    none known or the name is not in the catalog."""
+    spec = DATASETS.get(name)
+    if spec is None:
+        return []
+    if spec.parts:
+        parts = [hub_originals(part) for part in spec.parts]
+        return [h for hubs in parts for h in hubs] if all(parts) else []
+    return [spec.hub_name] if spec.hub_name else []
+
+
+def data_schema(name: str, role: str, from_hub: bool) -> dict[str, Any]:
+    """What a dry run says of one dataset: where its pairs come from, under which licence, read by which reader
+    into (prompt, chosen, rejected)."""
+    spec = DATASETS.get(name)
+    if spec is None:
+        return {"dataset": name, "role": role, "from": name, "reader": "generic: prompt, chosen, rejected columns",
+                "license": "as its source"}
+    parts = [DATASETS[p] for p in spec.parts] or [spec]
+    where = ", ".join(f"{p.hub_name} ({p.hub_split}{''.join(f', {k}={v}' for k, v in p.hub_kwargs.items())})"
+                      for p in parts) if from_hub else f"shipped copy under {shipped_data_dir()}"
+    return {"dataset": name, "role": role, "from": where,
+            "reader": ", ".join(sorted({p.reader.__name__ for p in parts})), "license": "; ".join(
+                sorted({p.license for p in parts}))}
+
+
 def shipped_data_dir() -> Path:
     """Root of the shipped copies; $ANCHOR_RM_DATA_DIR points elsewhere (e.g. a fuller local mirror)."""
     override = os.environ.get(DATA_DIR_ENV)

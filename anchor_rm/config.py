@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass, field
 
-from anchor_rm.catalog import CATEGORIES
+from anchor_rm.catalog import CATEGORIES, hub_originals
 from anchor_rm.precision import check_precision, resolve_precision
 from anchor_rm.splits import SOURCE_FRACTIONS
 from anchor_rm.training import TrainConfig
@@ -36,6 +36,9 @@ class ProtocolConfig:
     # the reference cache and evaluation. auto: bf16 only where the hardware computes it natively and faster
     # (anchor_rm/precision.py). `resolve_precision()` fixes the concrete value before anything runs.
     precision: str = "auto"
+    # Read every catalog dataset from its hub original (catalog.hub_originals) instead of the shipped copy: the
+    # `paper` preset's full datasets, where the hub can be reached.
+    from_hub: bool = False
 
     def __post_init__(self):
         if self.category not in CATEGORIES:
@@ -56,8 +59,9 @@ class ProtocolConfig:
 
     def data_dict(self) -> dict:
         """What the data preparation depends on."""
-        return {"source": self.source, "targets": self.targets, "seed": self.seed, "max_pairs": self.max_pairs,
+        data = {"source": self.source, "targets": self.targets, "seed": self.seed, "max_pairs": self.max_pairs,
                 "source_fractions": self.source_fractions}
+        return {**data, "from_hub": True} if self.from_hub else data
 
 
 # The weak-to-strong protocol of the default presets, as measured by bench/protocol_gap.py (docs/results.md,
@@ -111,7 +115,28 @@ def _study(category: str) -> ProtocolConfig:
     return _protocol(category)
 
 
-PRESETS = {"default": _protocol, "smoke": _smoke, "study": _study}
+def _paper(category: str) -> ProtocolConfig:
+    """The paper's kind of setting (docs/scaling.md): a Llama-3.1-8B student with LoRA adapters (rank 16 on every
+    linear layer, ANCHOR's reference the student with its adapters off) and activation checkpointing, a Llama-3.2-1B
+    teacher fully fine-tuned, 1,024-token pairs in bf16 where the GPU has it. It runs where a GPU and the hub exist
+    (the weights come from the hub, gated by Meta's licence); here, `--dry-run` shows its config, data and memory
+    plan. The datasets are the category's that have a hub original (catalog.hub_originals), read from the hub,
+    uncapped but for the validation and test sizes."""
+    cfg = _protocol(category)
+    cfg.student, cfg.teacher = "meta-llama/Llama-3.1-8B", "meta-llama/Llama-3.2-1B"
+    cfg.from_hub = True
+    cfg.targets = [t for t in cfg.targets if hub_originals(t)]
+    cfg.max_pairs = {"teacher_train": 2000, "id_val": 1000, "id_test": 2000, "ood_val": 500, "ood_test": 1000}
+    cfg.teacher_train = TrainConfig(method="gold", epochs=1, batch_size=16, learning_rate=1e-5, max_length=1024,
+                                    activation_checkpointing=True)
+    cfg.student_train = TrainConfig(epochs=1, batch_size=16, learning_rate=1e-5, max_length=1024, lora_rank=16,
+                                    lora_alpha=32.0, lora_learning_rate=2e-4, activation_checkpointing=True,
+                                    teacher_labels="calibrated")
+    cfg.eval_batch_size = 16
+    return cfg
+
+
+PRESETS = {"default": _protocol, "smoke": _smoke, "study": _study, "paper": _paper}
 
 
 def _from(presets: dict, name: str, category: str) -> ProtocolConfig:
@@ -128,7 +153,7 @@ def preset(name: str, category: str = "helpful") -> ProtocolConfig:
 
 # The main job (pipelines/tune.py) trains one student per trial: 2 baselines + TUNE_SAMPLES[preset] ANCHOR
 # configurations, on the default protocol (docs/benchmarks.md has its wall time per CPU).
-TUNE_SAMPLES = {"default": 3, "smoke": 2}
+TUNE_SAMPLES = {"default": 3, "smoke": 2, "paper": 8}
 
 
 def _tune_smoke(category: str) -> ProtocolConfig:
@@ -137,7 +162,7 @@ def _tune_smoke(category: str) -> ProtocolConfig:
     return cfg
 
 
-TUNE_PRESETS = {"default": _protocol, "smoke": _tune_smoke}
+TUNE_PRESETS = {"default": _protocol, "smoke": _tune_smoke, "paper": _paper}
 
 
 def tune_preset(name: str, category: str = "helpful") -> ProtocolConfig:

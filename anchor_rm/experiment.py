@@ -13,7 +13,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from anchor_rm.catalog import dataset_digest
+from anchor_rm.catalog import dataset_digest, iter_dataset_pairs
 from anchor_rm.config import ProtocolConfig
 from anchor_rm.metrics import HeadlineChoice, apply_temperature, calibration, choose_headline_targets, fit_temperature
 from anchor_rm.report import EvaluationReport, build_report
@@ -26,7 +26,7 @@ from anchor_rm.training import TrainConfig
 from anchor_rm.workflow import (
     RewardModel,
     evaluate_model,
-    load_pretrained,
+    load_student,
     reference_states,
     scores_from_dict,
     scores_to_dict,
@@ -146,8 +146,9 @@ def split_digests(splits: ProtocolSplits) -> dict[str, str]:
 
 
 def prepare_data(cfg: ProtocolConfig, experiment_id: str) -> tuple[ProtocolSplits, StageRun]:
+    loader = functools.partial(iter_dataset_pairs, from_hub=True) if cfg.from_hub else iter_dataset_pairs
     splits = build_protocol_splits(cfg.source, cfg.targets, cfg.seed, max_pairs=cfg.max_pairs,
-                                   source_fractions=tuple(cfg.source_fractions.items()))
+                                   source_fractions=tuple(cfg.source_fractions.items()), loader=loader)
     digests = split_digests(splits)
     for name, counts in splits.counts.items():
         log.info("data %s: %s", name, counts)
@@ -169,12 +170,12 @@ def _gold_stage(stage: str, model_name: str, train_cfg: TrainConfig, cfg: Protoc
     # split and measures its calibration on ID validation, raw and scaled: part of its key, so that a teacher
     # stage cached before it did is computed again once.
     calibrated = () if label_pairs is None else ("calibration:id_val", "temperature:teacher_calibration")
-    key = cache_key(STAGE_VERSION, stage, data.outputs["digests"], model_name, train_cfg.to_dict(), cfg.eval_batch_size,
+    key = cache_key(STAGE_VERSION, stage, data.outputs["digests"], model_name, train_cfg.key_dict(), cfg.eval_batch_size,
                     eval_splits, cfg.precision, *calibrated)
 
     def compute() -> dict:
         log.info("%s: training %s on %d gold pairs", stage, model_name, len(train_pairs))
-        rm = load_pretrained(model_name, train_cfg.max_length, train_cfg.seed)
+        rm = load_student(model_name, train_cfg)
         train_student(rm, train_pairs, None, train_cfg, ActiveRunSink())
         outputs = {"model": model_name, "scores": {}}
         for split in eval_splits:
@@ -257,9 +258,9 @@ def run_student(cfg: ProtocolConfig, shared: SharedStages, train_cfg: TrainConfi
         runs.log_params({"student": cfg.student, "teacher": cfg.teacher, "source": cfg.source,
                          "targets": ",".join(cfg.targets), **{f"train.{k}": v for k, v in train_cfg.to_dict().items()}})
         runs.log_json(shared.data.outputs["digests"], keys.DATA_DIGESTS_FILE)
-        rm = load_pretrained(cfg.student, train_cfg.max_length, train_cfg.seed)
-        reference = None
-        if train_cfg.uses_anchor:
+        rm = load_student(cfg.student, train_cfg)
+        reference = None  # a LoRA student's reference is itself with its adapters off
+        if train_cfg.uses_anchor and not train_cfg.lora_rank:
             reference = reference_states(cfg.student, rm, shared.splits.student_train, [train_cfg.anchor_layers],
                                          precision=train_cfg.precision, batch_size=cfg.eval_batch_size)
             runs.log_metrics({"reference_cache/megabytes": reference.nbytes() / 1e6})

@@ -126,6 +126,43 @@ def load_tokenizer(source: ModelSource):
     return tokenizer
 
 
+# The architectures of the paper's kind of models (their config.json on the hub), so that a memory plan and a dry
+# run of the `paper` preset work where the hub cannot be reached. Training still needs the weights.
+KNOWN_ARCHITECTURES = {
+    "meta-llama/Llama-3.1-8B": {"model_type": "llama", "hidden_size": 4096, "intermediate_size": 14336,
+                                "num_hidden_layers": 32, "num_attention_heads": 32, "num_key_value_heads": 8,
+                                "vocab_size": 128256},
+    "meta-llama/Llama-3.2-1B": {"model_type": "llama", "hidden_size": 2048, "intermediate_size": 8192,
+                                "num_hidden_layers": 16, "num_attention_heads": 32, "num_key_value_heads": 8,
+                                "vocab_size": 128256, "tie_word_embeddings": True},
+    "Qwen/Qwen2.5-7B": {"model_type": "qwen2", "hidden_size": 3584, "intermediate_size": 18944,
+                        "num_hidden_layers": 28, "num_attention_heads": 28, "num_key_value_heads": 4,
+                        "vocab_size": 152064},
+    "Qwen/Qwen2.5-1.5B": {"model_type": "qwen2", "hidden_size": 1536, "intermediate_size": 8960,
+                          "num_hidden_layers": 28, "num_attention_heads": 12, "num_key_value_heads": 2,
+                          "vocab_size": 151936, "tie_word_embeddings": True},
+}
+
+
+def load_model_config(name: str):
+    """The transformers config of a model name (short name, folder, hub id), without its weights; for the hub ids
+    of KNOWN_ARCHITECTURES, their recorded architecture when the hub cannot be reached."""
+    from transformers import AutoConfig
+
+    source = resolve_model(name)
+    try:
+        path = _dequantized_folder(source) if source.gguf_file else source.path
+        config = AutoConfig.from_pretrained(path, num_labels=1)
+    except OSError as exc:
+        if name not in KNOWN_ARCHITECTURES:
+            raise ModelError(f"cannot load the config of {name!r}: {exc}") from None
+        fields = dict(KNOWN_ARCHITECTURES[name])
+        config = AutoConfig.for_model(fields.pop("model_type"), num_labels=1, **fields)
+    if source.num_hidden_layers is not None:
+        config.num_hidden_layers = source.num_hidden_layers
+    return config
+
+
 def load_reward_model(source: ModelSource, *, dropout: float | None = 0.0) -> PreTrainedModel:
     """A scalar reward model (num_labels=1) on the pretrained weights of `source`.
 
@@ -159,20 +196,30 @@ def freeze_lower_layers(model: PreTrainedModel, k: int) -> None:
     from the parameters that require grad holds no state for them. Their forward pass still runs every step
     (their outputs are not cached). BERT-family encoders (`embeddings`, `encoder.layer`) and Llama-style
     decoders (`embed_tokens`, `layers`)."""
+    if k == 0:
+        return
+    embeddings, layers, _ = transformer_parts(model, "frozen_layers")
+    if not 0 <= k < len(layers):
+        raise ValueError(f"frozen_layers must be in 0..{len(layers) - 1} for a model of {len(layers)} layers, got {k}")
+    embeddings.requires_grad_(False)
+    for layer in layers[:k]:
+        layer.requires_grad_(False)
+
+
+def transformer_parts(model: PreTrainedModel, purpose: str) -> tuple:
+    """(embeddings, the list of transformer layers, the final norm or None) of a BERT-family encoder
+    (`embeddings`, `encoder.layer`) or a Llama-style decoder (`embed_tokens`, `layers`, `norm`); a LoRA
+    student's (peft wrapper's) base model. `purpose` names what needs them in the error."""
+    if hasattr(model, "get_base_model"):
+        model = model.get_base_model()
     base = model.base_model
     embeddings = getattr(base, "embeddings", None) or getattr(base, "embed_tokens", None)
     layers = getattr(getattr(base, "encoder", None), "layer", None)
     if layers is None:
         layers = getattr(base, "layers", None)
     if embeddings is None or layers is None:
-        raise ModelError(f"frozen_layers: cannot find the embeddings and the layers of {type(model).__name__}")
-    if not 0 <= k < len(layers):
-        raise ValueError(f"frozen_layers must be in 0..{len(layers) - 1} for a model of {len(layers)} layers, got {k}")
-    if k == 0:
-        return
-    embeddings.requires_grad_(False)
-    for layer in layers[:k]:
-        layer.requires_grad_(False)
+        raise ModelError(f"{purpose}: cannot find the embeddings and the layers of {type(model).__name__}")
+    return embeddings, layers, getattr(base, "norm", None)
 
 
 def is_decoder(model: PreTrainedModel) -> bool:

@@ -61,6 +61,35 @@ def reward_forward(model, batch: dict[str, torch.Tensor], output_hidden_states: 
     return model(**inputs, output_hidden_states=output_hidden_states)
 
 
+@contextmanager
+def capture_hidden_states(model, indices: Sequence[int]):
+    """Yields a dict that a forward pass of `model` inside the block fills with entries `indices` (1..L) of the
+    `hidden_states` that `output_hidden_states=True` would return, captured by forward hooks on those layers
+    alone: no other layer's states are kept for the caller (in a reference's no-grad pass every layer's would
+    otherwise stay alive until the pass ends). Entry L of a decoder with a final norm is the norm's output, as
+    transformers returns it."""
+    from anchor_rm.models import transformer_parts
+
+    if not indices:
+        yield {}
+        return
+    _, layers, norm = transformer_parts(model, "anchor_layers")
+    captured: dict[int, torch.Tensor] = {}
+
+    def keep(index: int):
+        def hook(_module, _args, output):
+            captured[index] = output[0] if isinstance(output, tuple) else output
+        return hook
+
+    handles = [(norm if index == len(layers) and norm is not None else layers[index - 1]).register_forward_hook(keep(index))
+               for index in indices]
+    try:
+        yield captured
+    finally:
+        for handle in handles:
+            handle.remove()
+
+
 @dataclass(frozen=True)
 class ScoredTexts:
     rewards: np.ndarray  # float64, one per input
@@ -77,8 +106,10 @@ def fp32_reward_head(model):
     """Under bf16 autocast, computes the scalar reward head (a Linear named `score` or `classifier`) in
     fp32 from its input. A bf16 reward keeps 8 bits of mantissa: rewards that differ by less than that
     (common for a weakly trained model) come out exactly equal, and a tie counts as a wrong pair."""
-    head = next((m for m in (getattr(model, "score", None), getattr(model, "classifier", None))
-                 if isinstance(m, torch.nn.Linear)), None)
+    heads = [getattr(model, "score", None), getattr(model, "classifier", None)]
+    # A LoRA student's head is peft's wrapper around a trained copy (modules_to_save): the copy computes the reward.
+    heads = [next(iter(m.modules_to_save.values()), None) if hasattr(m, "modules_to_save") else m for m in heads]
+    head = next((m for m in heads if isinstance(m, torch.nn.Linear)), None)
     if head is None:
         yield
         return

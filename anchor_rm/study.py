@@ -27,7 +27,7 @@ from anchor_rm.mlflow_edge.runs import ActiveRunSink, stage_run
 from anchor_rm.reference_cache import ReferenceStates
 from anchor_rm.student import train_student
 from anchor_rm.training import TEACHER_LABELS, TrainConfig
-from anchor_rm.workflow import evaluation_sets, frozen_reference, load_pretrained, reference_states, scores_to_dict
+from anchor_rm.workflow import evaluation_sets, frozen_reference, load_student, reference_states, scores_to_dict
 
 log = logging.getLogger("anchor_rm")
 
@@ -158,10 +158,10 @@ class _References:
 
 
 def _train_and_measure(cfg: ProtocolConfig, shared: SharedStages, tc: TrainConfig, refs: _References) -> dict:
-    rm = load_pretrained(cfg.student, tc.max_length, tc.seed)
+    rm = load_student(cfg.student, tc)
     depth = rm.model.config.num_hidden_layers
     layer_sets = {choice: resolve_anchor_layers(choice, depth) for choice in DRIFT_LAYERS}
-    reference = refs.train(rm) if tc.uses_anchor else None
+    reference = refs.train(rm) if tc.uses_anchor and not tc.lora_rank else None  # LoRA: adapters off
     trained = train_student(rm, shared.splits.student_train, shared.soft_labels(tc.teacher_labels), tc, ActiveRunSink(),
                             reference=reference)
     val, val_metrics = shared.validation(cfg.eval_batch_size, cfg.precision).measure(rm)  # once, after training
@@ -208,7 +208,7 @@ def _student(cfg: ProtocolConfig, shared: SharedStages, refs: _References, tc: T
              category: str, seed: int, experiment_id: str, label: str):
     """One student as a stage run keyed by its inputs: trained, or read back when an earlier run finished it."""
     key = cache_key(STAGE_VERSION, STUDENT_STAGE, shared.data.outputs["digests"], shared.teacher.run_id,
-                    cfg.teacher_train.to_dict(), tc.to_dict(), cfg.eval_batch_size, cfg.precision, DRIFT_LAYERS)
+                    cfg.teacher_train.key_dict(), tc.key_dict(), cfg.eval_batch_size, cfg.precision, DRIFT_LAYERS)
     tags = {keys.CATEGORY_TAG: category, keys.SEED_TAG: str(seed), keys.METHOD_TAG: tc.method,
             keys.SETTING_TAG: label, **shared.tags()}
     return stage_run(experiment_id, STUDENT_STAGE, key, lambda: _train_and_measure(cfg, shared, tc, refs),

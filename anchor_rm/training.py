@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import math
 import time
+from contextlib import nullcontext
 from dataclasses import asdict, dataclass, field
 from typing import Callable, Sequence
 
@@ -28,15 +29,17 @@ from anchor_rm.losses import (
     resolve_anchor_layers,
     soft_bradley_terry_loss,
 )
+from anchor_rm.lora import adapter_parameter, adapters_off, is_adapted
 from anchor_rm.models import freeze_lower_layers
 from anchor_rm.precision import autocast, check_precision
 from anchor_rm.reference_cache import ReferenceStates, encoded_digest
-from anchor_rm.scoring import EncodedPairs, fp32_reward_head, reward_forward
+from anchor_rm.scoring import EncodedPairs, capture_hidden_states, fp32_reward_head, reward_forward
 
 METHODS = ("naive", "confidence", "anchor", "gold")
 
 
 TEACHER_LABELS = ("raw", "calibrated")
+STRATEGIES = ("ddp", "fsdp2")
 
 
 @dataclass
@@ -66,6 +69,19 @@ class TrainConfig:
     # The weak teacher's soft labels a W2S student trains on: "raw", or "calibrated" (temperature-scaled on the
     # gold teacher_calibration split, metrics.fit_temperature). Not used by gold training.
     teacher_labels: str = "raw"
+    # LoRA (anchor_rm/lora.py): adapters of this rank on every linear layer, the reward head trained in full, and
+    # ANCHOR's reference the same model with its adapters off. 0: full fine-tuning. The model must come with its
+    # adapters (workflow.load_pretrained(..., lora_rank=)).
+    lora_rank: int = 0
+    lora_alpha: float = 16.0  # the adapters' output is scaled by lora_alpha / lora_rank
+    lora_learning_rate: float | None = None  # the adapters' learning rate (None: learning_rate, which the head keeps)
+    # Recompute each layer's activations in the backward pass instead of keeping them (non-reentrant): less
+    # memory for a longer step. Numerically the same training.
+    activation_checkpointing: bool = False
+    # How several workers share the training: "ddp" (each holds the whole model, gradients averaged) or "fsdp2"
+    # (torch's fully_shard per transformer layer, then the root: parameters, gradients and optimiser state
+    # sharded over the workers). One worker: no difference.
+    strategy: str = "ddp"
 
     def __post_init__(self):
         if self.method not in METHODS:
@@ -84,6 +100,17 @@ class TrainConfig:
         check_precision(self.precision, "precision")
         if self.teacher_labels not in TEACHER_LABELS:
             raise ValueError(f"teacher_labels must be one of {', '.join(TEACHER_LABELS)}, got {self.teacher_labels!r}")
+        if self.strategy not in STRATEGIES:
+            raise ValueError(f"strategy must be one of {', '.join(STRATEGIES)}, got {self.strategy!r}")
+        if self.lora_rank < 0:
+            raise ValueError(f"lora_rank must be >= 0 (0: full fine-tuning), got {self.lora_rank}")
+        if self.lora_alpha <= 0:
+            raise ValueError(f"lora_alpha must be > 0, got {self.lora_alpha}")
+        if self.lora_learning_rate is not None and self.lora_learning_rate <= 0:
+            raise ValueError(f"lora_learning_rate must be > 0, got {self.lora_learning_rate}")
+        if self.lora_rank and self.frozen_layers:
+            raise ValueError(f"frozen_layers ({self.frozen_layers}) and lora_rank ({self.lora_rank}) do not combine: "
+                             "with LoRA every pretrained weight is frozen already")
 
     @property
     def uses_anchor(self) -> bool:
@@ -91,6 +118,20 @@ class TrainConfig:
 
     def to_dict(self) -> dict:
         return asdict(self)
+
+    def key_dict(self) -> dict:
+        """What a stage cache keys on: every field, but the options added after caches existed only when they
+        are set, so that runs cached before them (hours of the study's students) are still found."""
+        fields = self.to_dict()
+        for name, default in KEYED_ONLY_WHEN_SET.items():
+            if fields[name] == default:
+                del fields[name]
+        return fields
+
+
+# TrainConfig fields that enter a cache key only when they differ from these defaults (TrainConfig.key_dict).
+KEYED_ONLY_WHEN_SET = {"lora_rank": 0, "lora_alpha": 16.0, "lora_learning_rate": None, "activation_checkpointing": False,
+                       "strategy": "ddp"}
 
 
 @dataclass
@@ -101,6 +142,7 @@ class StepLog:
     w2s_loss: float
     anchor_loss: float
     learning_rate: float
+    grad_norm: float | None = None  # the gradients' total norm before clipping (None: no clipping)
 
 
 @dataclass
@@ -172,8 +214,13 @@ def train_reward_model(
         raise ValueError(f"{len(train)} training pairs but {len(target_probs)} targets")
     if len(train) == 0:
         raise ValueError("no training pairs")
-    if config.uses_anchor and reference is None:
-        raise ValueError("method 'anchor' with anchor_lambda > 0 needs the frozen reference model")
+    adapted = is_adapted(model)
+    if config.lora_rank and not adapted:
+        raise ValueError(f"lora_rank {config.lora_rank} but the model has no adapters: load it with "
+                         "workflow.load_pretrained(..., lora_rank=)")
+    if config.uses_anchor and reference is None and not adapted:
+        raise ValueError("method 'anchor' with anchor_lambda > 0 needs the frozen reference model "
+                         "(or a LoRA student, whose reference is itself with its adapters off)")
     torch.manual_seed(config.seed)
     rank, world = _world()
     if config.batch_size % world:
@@ -181,7 +228,14 @@ def train_reward_model(
     per_rank = config.batch_size // world
 
     core = model
-    if world > 1:
+    if config.activation_checkpointing:
+        # Non-reentrant: the reentrant kind gives no gradients when the inputs need none (a frozen base, trl#3089).
+        core.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
+    if world > 1 and config.strategy == "fsdp2":
+        shard_model(core, config.precision, world)
+        if isinstance(reference, torch.nn.Module):  # the frozen copy is sharded too (its forward gathers it)
+            shard_model(reference.requires_grad_(False), config.precision, world)
+    elif world > 1:
         device = next(core.parameters()).device
         model = torch.nn.parallel.DistributedDataParallel(model, device_ids=[device.index] if device.type == "cuda" else None)
     layers = resolve_anchor_layers(config.anchor_layers, core.config.num_hidden_layers) if config.uses_anchor else []
@@ -201,14 +255,20 @@ def train_reward_model(
     total_steps = steps_per_epoch * config.epochs
     no_decay = ("bias", "LayerNorm.weight", "layer_norm.weight", "norm.weight")
     trainable = [(n, p) for n, p in core.named_parameters() if p.requires_grad]
+    # With lora_learning_rate, the adapters train at their own rate and the head at learning_rate.
+    own_rate = adapted and config.lora_learning_rate is not None
+    adapters = [p for n, p in trainable if own_rate and adapter_parameter(n)]
+    rest = [(n, p) for n, p in trainable if not (own_rate and adapter_parameter(n))]
     groups = [
-        {"params": [p for n, p in trainable if not n.endswith(no_decay)], "weight_decay": config.weight_decay},
-        {"params": [p for n, p in trainable if n.endswith(no_decay)], "weight_decay": 0.0},
+        {"params": [p for n, p in rest if not n.endswith(no_decay)], "weight_decay": config.weight_decay},
+        {"params": [p for n, p in rest if n.endswith(no_decay)], "weight_decay": 0.0},
+        {"params": adapters, "weight_decay": config.weight_decay, "lr": config.lora_learning_rate},
     ]
+    groups = [g for g in groups if g["params"]]
     # The fused kernel updates each parameter in one pass instead of several: 0.15 s -> 0.03 s per optimiser
     # step for MiniLM-L6 on 2 CPU cores (half its 22.7M parameters are word embeddings with dense gradients);
     # 1.05-1.17x pairs/s end to end (docs/benchmarks.md). TRL's default optimiser is the same kernel.
-    fused = next(core.parameters()).device.type in ("cpu", "cuda")
+    fused = next(core.parameters()).device.type in ("cpu", "cuda") and not (world > 1 and config.strategy == "fsdp2")
     optimizer = torch.optim.AdamW(groups, lr=config.learning_rate, fused=fused)
     scheduler = _linear_schedule(optimizer, max(1, int(total_steps * config.warmup_fraction)), total_steps)
     if optimizer_state is not None:
@@ -246,6 +306,30 @@ def train_reward_model(
     return result
 
 
+def shard_model(model: torch.nn.Module, precision: str, world: int) -> None:
+    """FSDP2 in place: `fully_shard` on each transformer layer, then on the root, over the process group's
+    workers (gloo on CPU, nccl on GPU). On a GPU in bf16, parameters are gathered in bf16 and gradients reduced
+    in fp32; the sharded fp32 parameters stay the master copy. gloo's reduce-scatter may sum where it should
+    average (pytorch#162338): the sum is forced and divided by the number of workers, on every backend alike."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+    from anchor_rm.models import transformer_parts
+
+    device = next(model.parameters()).device
+    mesh = init_device_mesh(device.type, (world,))  # explicit: on a machine with CUDA, CPU workers stay on CPU
+    policy = (MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+              if device.type == "cuda" and precision == "bf16" else MixedPrecisionPolicy())
+    _, layers, _ = transformer_parts(model, "strategy fsdp2")
+    for layer in layers:
+        fully_shard(layer, mesh=mesh, mp_policy=policy)
+    fully_shard(model, mesh=mesh, mp_policy=policy)
+    for module in model.modules():
+        if hasattr(module, "set_force_sum_reduction_for_comms"):
+            module.set_force_sum_reduction_for_comms(True)
+            module.set_gradient_divide_factor(float(world))
+
+
 def _device_type(model: torch.nn.Module) -> str:
     return next(model.parameters()).device.type
 
@@ -255,8 +339,10 @@ def _train_step(model, core, reference, train, targets, indices, layers, config,
     device = next(core.parameters()).device
     batch = collate([train.chosen[i] for i in indices] + [train.rejected[i] for i in indices], pad_token_id)
     batch = {k: v.to(device) for k, v in batch.items()}
-    with autocast(config.precision, _device_type(core)), fp32_reward_head(core):
-        outputs = reward_forward(model, batch, output_hidden_states=bool(layers))
+    with autocast(config.precision, _device_type(core)), fp32_reward_head(core), \
+            capture_hidden_states(core, layers) as states:
+        outputs = reward_forward(model, batch)
+    student_states = [states[i].float() for i in layers]
     rewards = outputs.logits[:, 0].float()
     margin = rewards[:n] - rewards[n:]
     q = targets[indices].to(device)
@@ -270,13 +356,18 @@ def _train_step(model, core, reference, train, targets, indices, layers, config,
     if layers:
         if isinstance(reference, ReferenceStates):
             reference_states = reference.batch(indices, layers, batch["anchor_mask"])
-        else:
-            with torch.no_grad(), autocast(config.precision, _device_type(core)):
-                reference_out = reward_forward(reference, batch, output_hidden_states=True)
-            reference_states = [reference_out.hidden_states[i].float() for i in layers]
-        anchor = anchor_loss([outputs.hidden_states[i].float() for i in layers], reference_states, batch["anchor_mask"])
+        else:  # the frozen copy, or (a LoRA student, reference None) the student with its adapters off
+            frozen = core if reference is None else reference
+            with torch.no_grad(), adapters_off(core) if reference is None else nullcontext(), \
+                    autocast(config.precision, _device_type(core)), capture_hidden_states(frozen, layers) as captured:
+                reward_forward(frozen, batch)
+            reference_states = [captured[i].float() for i in layers]
+        anchor = anchor_loss(student_states, reference_states, batch["anchor_mask"])
     loss = w2s + config.anchor_lambda * anchor if layers else w2s
     loss.backward()
+    grad_norm = None
     if config.max_grad_norm:
-        torch.nn.utils.clip_grad_norm_(core.parameters(), config.max_grad_norm)
-    return StepLog(step=step, epoch=0, loss=loss.item(), w2s_loss=w2s.item(), anchor_loss=anchor.item(), learning_rate=0.0)
+        norm = torch.nn.utils.clip_grad_norm_(core.parameters(), config.max_grad_norm)
+        grad_norm = float(norm.full_tensor() if hasattr(norm, "full_tensor") else norm)
+    return StepLog(step=step, epoch=0, loss=loss.item(), w2s_loss=w2s.item(), anchor_loss=anchor.item(), learning_rate=0.0,
+                   grad_norm=grad_norm)

@@ -14,6 +14,7 @@ import torch
 
 from anchor_rm.data import PreferencePair
 from anchor_rm.encoding import RewardEncoder
+from anchor_rm.lora import ADAPTER_FOLDER, add_adapters, is_adapted, load_adapters, merged_copy, save_adapters
 from anchor_rm.losses import resolve_anchor_layers
 from anchor_rm.reference_cache import (ReferenceStates, choose_reference_cache, compute_reference_states,
                                       default_budget_bytes, disk_free_bytes, estimate_reference_nbytes, storage_dtype)
@@ -43,13 +44,23 @@ class RewardModel:
         return encode_pairs(self.encoder, pairs)
 
 
-def load_pretrained(name: str, max_length: int, seed: int) -> RewardModel:
-    """Pretrained weights with a fresh scalar head; the seed fixes the head's initialisation."""
+def load_pretrained(name: str, max_length: int, seed: int, *, lora_rank: int = 0, lora_alpha: float = 16.0) -> RewardModel:
+    """Pretrained weights with a fresh scalar head; the seed fixes the head's initialisation (and the adapters'
+    with `lora_rank` > 0: a LoRA student, anchor_rm/lora.py)."""
     source: ModelSource = resolve_model(name)
     torch.manual_seed(seed)
     model = load_reward_model(source)
     tokenizer = load_tokenizer(source)
-    return RewardModel(model, tokenizer, RewardEncoder(tokenizer, max_length, is_decoder(model)), source.name)
+    encoder = RewardEncoder(tokenizer, max_length, is_decoder(model))
+    if lora_rank:
+        model = add_adapters(model, lora_rank, lora_alpha)
+    return RewardModel(model, tokenizer, encoder, source.name)
+
+
+def load_student(name: str, config: TrainConfig) -> RewardModel:
+    """The model a training run starts from: pretrained, with LoRA adapters when `config` asks for them."""
+    return load_pretrained(name, config.max_length, config.seed, lora_rank=config.lora_rank,
+                           lora_alpha=config.lora_alpha)
 
 
 def frozen_reference(name: str) -> torch.nn.Module:
@@ -93,21 +104,35 @@ def save_reward_model(rm: RewardModel, folder: str | Path, extra: dict | None = 
     """A standard transformers checkpoint plus anchor_rm.json (max length), loadable by `load_saved`."""
     folder = Path(folder)
     folder.mkdir(parents=True, exist_ok=True)
-    rm.model.save_pretrained(folder)
-    rm.tokenizer.save_pretrained(folder)
     info = {"max_length": rm.encoder.max_length, "decoder": rm.encoder.decoder, "base_model": rm.name, **(extra or {})}
+    if is_adapted(rm.model):  # LoRA: the merged model is the folder; the adapters go beside it
+        merged_copy(rm.model).save_pretrained(folder)
+        save_adapters(rm.model, folder / ADAPTER_FOLDER)
+        lora = rm.model.peft_config["default"]
+        info["lora"] = {"rank": lora.r, "alpha": lora.lora_alpha, "adapter": ADAPTER_FOLDER}
+    else:
+        rm.model.save_pretrained(folder)
+    rm.tokenizer.save_pretrained(folder)
     (folder / SCORER_CONFIG).write_text(json.dumps(info, indent=2))
     return folder
 
 
-def load_saved(folder: str | Path, max_length: int | None = None) -> RewardModel:
+def load_saved(folder: str | Path, max_length: int | None = None, *, adapters: bool = False) -> RewardModel:
+    """A saved reward model, as an ordinary transformers model (a LoRA student's merged weights). `adapters`: a
+    LoRA student as it trains, its base model's pretrained weights with the saved adapters on (a resumed run)."""
     folder = Path(folder)
     info_path = folder / SCORER_CONFIG
     info = json.loads(info_path.read_text()) if info_path.exists() else {}
     source = resolve_model(str(folder))
-    model = load_reward_model(source, dropout=None).eval()
     tokenizer = load_tokenizer(source)
     length = max_length or info.get("max_length") or min(512, getattr(tokenizer, "model_max_length", 512))
+    if adapters:
+        if "lora" not in info:
+            raise ValueError(f"{folder}: no LoRA adapters saved here ({SCORER_CONFIG} names none)")
+        model = load_reward_model(resolve_model(info["base_model"]))
+        model = load_adapters(model, folder / info["lora"]["adapter"])
+    else:
+        model = load_reward_model(source, dropout=None).eval()
     return RewardModel(model, tokenizer, RewardEncoder(tokenizer, int(length), is_decoder(model)), info.get("base_model", str(folder)))
 
 

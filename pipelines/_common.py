@@ -25,7 +25,7 @@ def protocol_parser(description: str, preset_help: str):
     import argparse
 
     p = argparse.ArgumentParser(description=description, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--preset", choices=["default", "smoke"], default="default", help=preset_help)
+    p.add_argument("--preset", choices=["default", "smoke", "paper"], default="default", help=preset_help)
     p.add_argument("--category", choices=["helpful", "harmless"], default="helpful",
                    help="helpful (source hh-helpful) or harmless (source pku-saferlhf); the OOD targets of each: "
                         "README, What the main job does")
@@ -45,6 +45,60 @@ def add_teacher_labels_argument(parser) -> None:
                         help="the weak teacher's soft labels the students train on: raw, or calibrated (scaled by the "
                              "temperature fitted on the gold teacher_calibration split, which no model trains on); "
                              "default: the preset's")
+
+
+def add_scale_arguments(parser) -> None:
+    """LoRA and activation checkpointing: what a 1-8B student needs (docs/scaling.md)."""
+    parser.add_argument("--lora-rank", type=int, metavar="R",
+                        help="train LoRA adapters of rank R on every linear layer (the reward head in full) instead of "
+                             "every weight; ANCHOR's reference is then the student with its adapters off, no second "
+                             "copy (default 0: full fine-tuning)")
+    parser.add_argument("--lora-alpha", type=float, help="LoRA scaling: the adapters' output times alpha / R (default 16)")
+    parser.add_argument("--lora-learning-rate", type=float, metavar="LR",
+                        help="the adapters' learning rate; the head keeps --learning-rate (default: --learning-rate)")
+    parser.add_argument("--activation-checkpointing", action="store_true", default=None,
+                        help="recompute activations in the backward pass (non-reentrant) instead of keeping them: "
+                             "less memory, a longer step")
+
+
+SCALE_FIELDS = ("lora_rank", "lora_alpha", "lora_learning_rate", "activation_checkpointing")
+
+
+def add_dry_run_argument(parser) -> None:
+    parser.add_argument("--dry-run", action="store_true",
+                        help="print the configuration, where each dataset comes from and the memory plan, then stop: "
+                             "no data is read and nothing trains (what the `paper` preset can show without a GPU)")
+
+
+def memory_plan_or_dry_run(cfg, args, *, device: str = "cpu", workers: int = 1, workers_per_machine: int = 1,
+                           worker_memory: int | None = None) -> bool:
+    """The memory plan, logged before anything starts; a plan that will not fit stops the run here in one line
+    (MemoryPlanError, which clean_errors prints). With --dry-run, the configuration, the datasets and the plans
+    are printed instead of logged, and True says: stop."""
+    import json
+
+    from anchor_rm.catalog import data_schema
+    from anchor_rm.memory_plan import check_protocol_memory, protocol_plans
+
+    strategy = cfg.student_train.strategy
+    limits = {"strategy": strategy, "workers": workers, "device": device, "workers_per_machine": workers_per_machine,
+              "worker_memory": worker_memory}
+    if not args.dry_run:
+        check_protocol_memory(cfg, **limits, log=logging.getLogger("anchor_rm"))
+        return False
+    print("configuration:")
+    print(json.dumps(cfg.to_dict(), indent=2))
+    print("\ndata (nothing is read in a dry run):")
+    for name, role in [(cfg.source, "source")] + [(t, "OOD target") for t in cfg.targets]:
+        schema = data_schema(name, role, cfg.from_hub)
+        print(f"- {schema['dataset']} ({schema['role']}): from {schema['from']}; reader {schema['reader']} -> "
+              f"(prompt, chosen, rejected); licence {schema['license']}")
+    print("\nmemory plan:")
+    for role, plan in protocol_plans(cfg, strategy=strategy, workers=workers, device=device).items():
+        print(f"- {role}: {plan.summary()}")
+    check_protocol_memory(cfg, **limits)
+    print("\nthe plan fits; nothing was trained (--dry-run)")
+    return True
 
 
 UNITS = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12, "KIB": 2**10, "MIB": 2**20, "GIB": 2**30,

@@ -18,8 +18,9 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _common import (add_precision_argument, add_teacher_labels_argument, apply_shared_flags, clean_errors,  # noqa: E402
-                     protocol_parser, setup_logging)
+from _common import (  # noqa: E402
+    SCALE_FIELDS, add_dry_run_argument, add_precision_argument, add_scale_arguments, add_teacher_labels_argument,
+    apply_shared_flags, clean_errors, memory_plan_or_dry_run, protocol_parser, setup_logging)
 
 log = logging.getLogger("anchor_rm")
 
@@ -46,6 +47,8 @@ def build_parser() -> argparse.ArgumentParser:
                         "time for K=2 of MiniLM-L6 on an AVX2 CPU (docs/benchmarks.md); every anchored layer must "
                         "lie above K (default 0: full fine-tuning)")
     add_teacher_labels_argument(p)
+    add_scale_arguments(p)
+    add_dry_run_argument(p)
     p.add_argument("--seed", type=int)
     add_precision_argument(p)
     p.add_argument("--min-gap", type=float, metavar="POINTS",
@@ -68,7 +71,7 @@ def config_from_args(args):
         cfg.targets = [t.strip() for t in args.targets.split(",") if t.strip()]
     cfg.train_ceiling = not args.no_ceiling
     student_flags = ("method", "anchor_lambda", "anchor_layers", "confidence_alpha", "epochs", "batch_size",
-                     "learning_rate", "max_length", "frozen_layers", "teacher_labels")
+                     "learning_rate", "max_length", "frozen_layers", "teacher_labels", *SCALE_FIELDS)
     return apply_shared_flags(cfg, args, {name: getattr(args, name) for name in student_flags})
 
 
@@ -81,6 +84,8 @@ def main(argv=None) -> int:
         from anchor_rm.mlflow_edge.store import configure, resolve_tracking_uri
 
         cfg = config_from_args(args)
+        if memory_plan_or_dry_run(cfg, args):  # train.py trains in this process, on its CPU
+            return 0
         started = time.perf_counter()
         experiment_id = configure(args.tracking_uri, args.experiment or f"anchor-rm-{cfg.category}")
         shared = prepare_shared(cfg, experiment_id)

@@ -21,8 +21,9 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from _common import (add_precision_argument, add_teacher_labels_argument, apply_shared_flags, byte_size,  # noqa: E402
-                     clean_errors, protocol_parser, setup_logging)
+from _common import (  # noqa: E402
+    SCALE_FIELDS, add_dry_run_argument, add_precision_argument, add_scale_arguments, add_teacher_labels_argument,
+    apply_shared_flags, byte_size, clean_errors, memory_plan_or_dry_run, protocol_parser, setup_logging)
 
 
 
@@ -39,6 +40,15 @@ def build_parser() -> argparse.ArgumentParser:
                         "time for K=2 of MiniLM-L6 on an AVX2 CPU (docs/benchmarks.md); every anchored layer must "
                         "lie above K (default 0: full fine-tuning)")
     add_teacher_labels_argument(p)
+    add_scale_arguments(p)
+    p.add_argument("--strategy", choices=["ddp", "fsdp2"],
+                   help="how a trial's workers share the student: ddp (a whole copy each) or fsdp2 (parameters, "
+                        "gradients and optimiser state sharded; what a full fine-tune of a 7-8B student needs on 8 "
+                        "GPUs, docs/scaling.md); default ddp")
+    p.add_argument("--worker-memory", type=byte_size, metavar="SIZE",
+                   help="memory each worker has, for the memory plan (e.g. 80GB); default: this machine's first "
+                        "GPU, or its RAM shared by the workers running at once")
+    add_dry_run_argument(p)
     p.add_argument("--max-failures", type=int, default=2, metavar="N",
                    help="times Ray Train restarts a trial's workers from its last checkpoint after a worker fails "
                         "(default 2); Tune then retries the whole trial once more")
@@ -74,8 +84,20 @@ def build_parser() -> argparse.ArgumentParser:
 def tune_config(args):
     from anchor_rm.config import tune_preset
 
-    student_train = {"epochs": args.epochs, "frozen_layers": args.frozen_layers, "teacher_labels": args.teacher_labels}
+    student_train = {"epochs": args.epochs, "frozen_layers": args.frozen_layers, "teacher_labels": args.teacher_labels,
+                     "strategy": args.strategy, **{name: getattr(args, name) for name in SCALE_FIELDS}}
     return apply_shared_flags(tune_preset(args.preset, args.category), args, student_train)
+
+
+def plan_device(use_gpu: str) -> str:
+    """The device the memory plan is for: the trials' GPUs with --use-gpu yes, or auto where this machine has one."""
+    if use_gpu == "yes":
+        return "cuda"
+    if use_gpu == "no":
+        return "cpu"
+    import torch
+
+    return "cuda" if torch.cuda.is_available() else "cpu"
 
 
 def use_ray_token(address: str | None) -> None:
@@ -114,6 +136,10 @@ def main(argv=None) -> int:
         from tuning.search import SearchFailed
 
         cfg = tune_config(args)
+        if memory_plan_or_dry_run(cfg, args, device=plan_device(args.use_gpu), workers=args.workers_per_trial,
+                                  workers_per_machine=args.concurrency * args.workers_per_trial,
+                                  worker_memory=args.worker_memory):
+            return 0
         settings = MainJobSettings(
             preset=args.preset, storage_path=args.storage_path, name=args.name, resume=args.resume,
             tracking_uri=resolve_tracking_uri(args.tracking_uri),

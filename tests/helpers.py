@@ -281,6 +281,17 @@ def tiny_bert(tokenizer, seed: int = 0):
     return BertForSequenceClassification(config)
 
 
+def tiny_llama(tokenizer, seed: int = 0):
+    """A 2-layer, 32-wide Llama reward model on MiniLM's vocabulary: the decoder architecture of the paper's students."""
+    import torch
+    from transformers import LlamaConfig, LlamaForSequenceClassification
+
+    torch.manual_seed(seed)
+    config = LlamaConfig(vocab_size=tokenizer.vocab_size, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, num_labels=1, pad_token_id=tokenizer.pad_token_id)
+    return LlamaForSequenceClassification(config)
+
+
 def tiny_reward_model(tokenizer, seed: int = 0, max_length: int = 32, name: str = "tiny-bert"):
     from anchor_rm.encoding import RewardEncoder
     from anchor_rm.workflow import RewardModel

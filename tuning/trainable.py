@@ -93,7 +93,7 @@ def train_loop_per_worker(config: dict) -> None:
     from anchor_rm.mlflow_edge import keys, runs
     from anchor_rm.mlflow_edge.writer import BufferedRunWriter
     from anchor_rm.student import NoSink, Validation, train_student
-    from anchor_rm.workflow import frozen_reference, load_pretrained, load_saved, save_reward_model, scores_from_dict
+    from anchor_rm.workflow import frozen_reference, load_saved, load_student, save_reward_model, scores_from_dict
 
     payload: SharedPayload = config["payload"]
     torch.set_num_threads(payload.threads_per_worker)
@@ -107,17 +107,17 @@ def train_loop_per_worker(config: dict) -> None:
     start_epoch, optimizer_state, undelivered = 0, None, []
     checkpoint = ray.train.get_checkpoint()
     if checkpoint is None:
-        rm = load_pretrained(cfg.student, train_cfg.max_length, train_cfg.seed)
+        rm = load_student(cfg.student, train_cfg)
     else:  # a restarted worker or a resumed experiment: continue after the last finished epoch
         with checkpoint.as_directory() as folder:
-            rm = load_saved(folder)
+            rm = load_saved(folder, adapters=bool(train_cfg.lora_rank))  # LoRA: pretrained base + adapters
             state = torch.load(Path(folder) / TRAINING_STATE, weights_only=False)
             undelivered = BufferedRunWriter.read_pending(folder)
         start_epoch, optimizer_state = state["epoch"] + 1, state["optimizer_state"]
     rm.model.to(device).train()
     # The frozen reference's states: computed once by the driver, shared by every trial via the object store.
     reference = None
-    if train_cfg.uses_anchor:
+    if train_cfg.uses_anchor and not train_cfg.lora_rank:  # LoRA: the student with its adapters off
         reference = frozen_reference(cfg.student).to(device) if payload.reference_live else ray.get(payload.reference_states)
     writer = BufferedRunWriter(payload.tracking_uri, run_id, active=True) if rank == 0 else None
     if writer is not None:
@@ -265,6 +265,9 @@ def make_payload(cfg: ProtocolConfig, shared, *, tracking_uri: str, experiment_i
     )
     started = time.perf_counter()
     train_cfg = cfg.student_train
+    if train_cfg.lora_rank:
+        log.info("LoRA students: ANCHOR's reference is each student with its adapters off (no states cached)")
+        return payload
     rm = load_pretrained(cfg.student, train_cfg.max_length, train_cfg.seed)
     states = reference_states(cfg.student, rm, shared.splits.student_train, LAYER_CHOICES, precision=train_cfg.precision,
                               batch_size=cfg.eval_batch_size, cache=reference_cache, budget_bytes=reference_cache_budget,

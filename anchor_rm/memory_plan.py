@@ -1,0 +1,224 @@
+"""A memory plan before anything trains: peak memory per worker estimated from the model's config, the strategy,
+LoRA, the batch and the sequence length, against what each worker has; a run that will not fit is refused in one
+line (the estimate, the limit, what to change) instead of dying of out-of-memory an hour in.
+
+The estimate, per worker, in bytes:
+- weights: 4 per parameter (fp32: the loaders load fp32; bf16 autocast computes in bf16 but keeps fp32
+  masters), divided by the workers under FSDP2, plus the two layers it gathers at once (one computing, one
+  prefetched);
+- gradients and AdamW state: 4 + 8 per *trainable* parameter (LoRA: adapters and head), divided likewise; DDP
+  keeps a bucketed copy of the gradients (4 more) when there is more than one worker;
+- ANCHOR's frozen reference: a second copy of the weights (sharded under FSDP2) for full fine-tuning; none for
+  a LoRA student (its adapters switched off) or a cached reference (the states live beside, measured apart);
+- activations: what backward needs per token and layer, ACTIVATION_VALUES x (hidden, MLP width, attention
+  scores) values, at 4 bytes (fp32) or BF16_ACTIVATION_BYTES (autocast keeps some in fp32); with activation
+  checkpointing, one hidden state per layer and one layer's activations;
+- a fixed overhead (the framework, the CUDA context);
+- on CPU, where the weights load into the same memory, loading may peak above training: two copies of the
+  weights while transformers reads the checkpoint (and the reference's). The peak is the larger of the two.
+The constants are fitted to peaks measured on CPU (bench/memory_plan.py, docs/scaling.md).
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from dataclasses import asdict, dataclass
+
+STRATEGIES = ("ddp", "fsdp2")
+GIB = 2**30
+
+# Values kept for backward per token and layer: a x hidden + b x MLP width (+ c x MLP width for a gated MLP) +
+# d x heads x sequence length (the attention probabilities of the math attention path).
+ACTIVATION_VALUES = {"hidden": 10, "mlp": 2, "gated_mlp": 2, "scores": 2}
+BF16_ACTIVATION_BYTES = 3  # bf16 autocast: matmul outputs in bf16, norms and residuals in fp32
+OVERHEAD_BYTES = {"cpu": int(0.8 * GIB), "cuda": int(1.5 * GIB)}  # the process (and the CUDA context)
+
+
+class MemoryPlanError(ValueError):
+    """A plan that will not fit: its one line says the estimate, the limit and what to change."""
+
+
+@dataclass(frozen=True)
+class ModelShape:
+    """What the estimate needs of a model's architecture."""
+
+    parameters: int
+    layer_parameters: int  # one transformer layer's
+    layers: int
+    hidden: int
+    mlp: int  # the MLP's inner width
+    heads: int
+    gated_mlp: bool  # Llama's SwiGLU: two up projections
+    linear_shapes: tuple[tuple[int, int, int], ...]  # (in, out, count) of the linear layers LoRA adapts
+
+    def lora_parameters(self, rank: int) -> int:
+        return sum(rank * (i + o) * n for i, o, n in self.linear_shapes)
+
+
+def model_shape(config) -> ModelShape:
+    """The shape of a transformers config's sequence-classification model, counted on the meta device (no
+    memory, no weights: the paper's 8B models plan offline from their config alone)."""
+    import torch
+    from transformers import AutoModelForSequenceClassification
+
+    config.num_labels = 1
+    with torch.device("meta"):
+        model = AutoModelForSequenceClassification.from_config(config)
+    from anchor_rm.models import transformer_parts
+
+    _, layers, _ = transformer_parts(model, "memory plan")
+    shapes: dict[tuple[int, int], int] = {}
+    head = {id(m) for m in (getattr(model, "score", None), getattr(model, "classifier", None)) if m is not None}
+    for module in model.modules():
+        if isinstance(module, torch.nn.Linear) and id(module) not in head:
+            key = (module.in_features, module.out_features)
+            shapes[key] = shapes.get(key, 0) + 1
+    mlp = getattr(config, "intermediate_size", None) or 4 * config.hidden_size
+    return ModelShape(
+        parameters=sum(p.numel() for p in model.parameters()),
+        layer_parameters=sum(p.numel() for p in layers[0].parameters()),
+        layers=len(layers), hidden=config.hidden_size, mlp=mlp, heads=config.num_attention_heads,
+        gated_mlp=getattr(config, "model_type", "") in ("llama", "qwen2", "mistral", "gemma", "qwen3"),
+        linear_shapes=tuple((i, o, n) for (i, o), n in sorted(shapes.items())),
+    )
+
+
+@dataclass(frozen=True)
+class MemoryPlan:
+    device: str  # cpu | cuda
+    strategy: str
+    workers: int
+    sequences_per_worker: int  # chosen and rejected: two per pair
+    max_length: int
+    activation_checkpointing: bool
+    parameters: int
+    trainable_parameters: int
+    weights: int  # bytes per worker, as each field below
+    gradients: int
+    optimizer: int
+    reference: int
+    activations: int
+    overhead: int
+    loading: int  # the peak while loading the weights (CPU), beside the overhead
+
+    @property
+    def total(self) -> int:
+        training = self.weights + self.gradients + self.optimizer + self.reference + self.activations
+        return self.overhead + max(training, self.loading)
+
+    def summary(self) -> str:
+        parts = ", ".join(f"{name} {getattr(self, name) / GIB:.2f}" for name in
+                          ("weights", "gradients", "optimizer", "reference", "activations", "overhead", "loading"))
+        return (f"{self.total / GIB:.2f} GiB per worker ({parts} GiB); {self.strategy} on {self.workers} "
+                f"{self.device} worker(s), {self.sequences_per_worker} sequences x {self.max_length} tokens per worker, "
+                f"{self.trainable_parameters:,} of {self.parameters:,} parameters trained")
+
+    def to_dict(self) -> dict:
+        return {**asdict(self), "total": self.total}
+
+
+def plan_memory(shape: ModelShape, *, batch_size: int, max_length: int, lora_rank: int = 0, anchor: bool = False,
+                cached_reference: bool = False, activation_checkpointing: bool = False, strategy: str = "ddp",
+                workers: int = 1, device: str = "cpu", precision: str = "fp32") -> MemoryPlan:
+    """The estimated peak memory of one worker (see the module's docstring). `batch_size` is pairs per optimiser
+    step over all workers, as TrainConfig has it."""
+    if strategy not in STRATEGIES:
+        raise ValueError(f"strategy must be one of {', '.join(STRATEGIES)}, got {strategy!r}")
+    if workers < 1 or batch_size < 1 or max_length < 1:
+        raise ValueError(f"workers, batch_size and max_length must be >= 1, got {workers}, {batch_size}, {max_length}")
+    shard = workers if strategy == "fsdp2" else 1
+    trainable = (shape.lora_parameters(lora_rank) + shape.hidden) if lora_rank else shape.parameters
+    gathered = 2 * 4 * shape.layer_parameters if strategy == "fsdp2" and workers > 1 else 0
+    weights = 4 * shape.parameters // shard + gathered
+    gradients = 4 * trainable // shard + (4 * trainable if strategy == "ddp" and workers > 1 else 0)
+    optimizer = 8 * trainable // shard
+    reference = 4 * shape.parameters // shard if anchor and not lora_rank and not cached_reference else 0
+    sequences = 2 * math.ceil(batch_size / workers)
+    tokens = sequences * max_length
+    # The attention probabilities are kept by the math attention of CPUs; GPUs' fused attention keeps none.
+    per_token_layer = (ACTIVATION_VALUES["hidden"] * shape.hidden + ACTIVATION_VALUES["mlp"] * shape.mlp
+                       + (ACTIVATION_VALUES["gated_mlp"] * shape.mlp if shape.gated_mlp else 0)
+                       + (ACTIVATION_VALUES["scores"] * shape.heads * max_length if device == "cpu" else 0))
+    value_bytes = BF16_ACTIVATION_BYTES if precision == "bf16" else 4
+    if activation_checkpointing:
+        activations = tokens * (shape.layers * shape.hidden * 4 + per_token_layer * value_bytes)
+    else:
+        activations = tokens * shape.layers * per_token_layer * value_bytes
+    return MemoryPlan(device=device, strategy=strategy, workers=workers, sequences_per_worker=sequences,
+                      max_length=max_length, activation_checkpointing=activation_checkpointing,
+                      parameters=shape.parameters, trainable_parameters=trainable,
+                      weights=weights, gradients=gradients, optimizer=optimizer, reference=reference,
+                      activations=int(activations), overhead=OVERHEAD_BYTES[device],
+                      loading=2 * (4 * shape.parameters + reference) if device == "cpu" else 0)
+
+
+def check_plan(plan: MemoryPlan, limit_bytes: int | None, where: str) -> None:
+    """Refuses a plan over `limit_bytes` (what one worker has on `where`) in one line: the estimate, the limit, and
+    what to change. No limit known: nothing to check."""
+    if limit_bytes is None or plan.total <= limit_bytes:
+        return
+    advice = []
+    if not plan.trainable_parameters < plan.parameters:
+        advice.append("train LoRA adapters (--lora-rank 16)")
+    if plan.strategy == "ddp":
+        advice.append("shard over more workers (--strategy fsdp2 --workers-per-trial N)")
+    if plan.activations > plan.total // 4:
+        advice.append(("" if plan.activation_checkpointing else "--activation-checkpointing, ")
+                      + "a smaller batch or --max-length")
+    raise MemoryPlanError(f"will not fit: about {plan.total / GIB:.1f} GiB per worker estimated against "
+                          f"{limit_bytes / GIB:.1f} GiB on {where}; " + "; or ".join(advice or ["use a larger device"]))
+
+
+def physical_memory_bytes() -> int | None:
+    try:
+        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (ValueError, OSError, AttributeError):
+        return None
+
+
+def worker_memory_limit(device: str, workers_per_machine: int) -> tuple[int | None, str]:
+    """(bytes one worker may use, where): a GPU's memory (the first one's: every worker gets one), or this
+    machine's physical memory shared by the workers that run on it. None where it cannot be told."""
+    if device == "cuda":
+        import torch
+
+        if not torch.cuda.is_available():
+            return None, "a GPU this machine does not have"
+        props = torch.cuda.get_device_properties(0)
+        return props.total_memory, f"{props.name} ({props.total_memory / GIB:.0f} GiB)"
+    total = physical_memory_bytes()
+    if total is None:
+        return None, "this machine"
+    return total // max(1, workers_per_machine), (f"this machine's {total / GIB:.0f} GiB shared by "
+                                                  f"{workers_per_machine} worker(s)")
+
+
+def protocol_plans(cfg, *, strategy: str = "ddp", workers: int = 1, device: str = "cpu") -> dict[str, MemoryPlan]:
+    """The teacher's and the student's (and so the ceiling's) plans for a ProtocolConfig."""
+    from anchor_rm.models import load_model_config
+
+    plans = {}
+    for role, name, train in (("teacher", cfg.teacher, cfg.teacher_train), ("student", cfg.student, cfg.student_train)):
+        # the teacher trains in the driver's process, the students as `workers` Ray Train workers
+        plans[role] = plan_memory(model_shape(load_model_config(name)), batch_size=train.batch_size,
+                                  max_length=train.max_length, lora_rank=train.lora_rank, anchor=train.uses_anchor,
+                                  activation_checkpointing=train.activation_checkpointing,
+                                  strategy=strategy if role == "student" else "ddp",
+                                  workers=workers if role == "student" else 1, device=device,
+                                  precision=cfg.precision)
+    return plans
+
+
+def check_protocol_memory(cfg, *, strategy: str = "ddp", workers: int = 1, device: str = "cpu",
+                          workers_per_machine: int = 1, worker_memory: int | None = None, log=None) -> dict[str, MemoryPlan]:
+    """Plans the teacher and the students, logs each plan, and refuses (MemoryPlanError) the first that will not
+    fit in what one worker has: `worker_memory` bytes where given, else worker_memory_limit's."""
+    plans = protocol_plans(cfg, strategy=strategy, workers=workers, device=device)
+    limit, where = ((worker_memory, "each worker (as given)") if worker_memory
+                    else worker_memory_limit(device, workers_per_machine))
+    for role, plan in plans.items():
+        if log is not None:
+            log.info("memory plan of the %s: %s", role, plan.summary())
+        check_plan(plan, limit, f"{where}, for the {role}")
+    return plans
