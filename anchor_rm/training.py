@@ -247,7 +247,7 @@ def train_reward_model(
         if reference.digest != encoded_digest(train):
             raise ValueError("the reference cache was computed on other token sequences than these training pairs")
     elif reference is not None:
-        reference.eval().requires_grad_(False)
+        reference.eval().requires_grad_(False).to(next(core.parameters()).device)
 
     targets = torch.tensor(list(target_probs), dtype=torch.float32)
     lengths = [max(len(c.input_ids), len(r.input_ids)) for c, r in zip(train.chosen, train.rejected)]

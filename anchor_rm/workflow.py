@@ -57,10 +57,18 @@ def load_pretrained(name: str, max_length: int, seed: int, *, lora_rank: int = 0
     return RewardModel(model, tokenizer, encoder, source.name)
 
 
-def load_student(name: str, config: TrainConfig) -> RewardModel:
-    """The model a training run starts from: pretrained, with LoRA adapters when `config` asks for them."""
-    return load_pretrained(name, config.max_length, config.seed, lora_rank=config.lora_rank,
-                           lora_alpha=config.lora_alpha)
+def training_device() -> str:
+    """Where the driver's own training runs (the teacher, the ceiling, train.py's and the study's students): its
+    first GPU when it has one, else its CPU."""
+    return "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def load_student(name: str, config: TrainConfig, device: str | None = None) -> RewardModel:
+    """The model a training run starts from: pretrained, with LoRA adapters when `config` asks for them, on
+    `device` (default training_device())."""
+    rm = load_pretrained(name, config.max_length, config.seed, lora_rank=config.lora_rank, lora_alpha=config.lora_alpha)
+    rm.model.to(device or training_device())
+    return rm
 
 
 def frozen_reference(name: str) -> torch.nn.Module:

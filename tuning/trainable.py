@@ -107,7 +107,7 @@ def train_loop_per_worker(config: dict) -> None:
     start_epoch, optimizer_state, undelivered = 0, None, []
     checkpoint = ray.train.get_checkpoint()
     if checkpoint is None:
-        rm = load_student(cfg.student, train_cfg)
+        rm = load_student(cfg.student, train_cfg, device="cpu")  # moved to this worker's device below
     else:  # a restarted worker or a resumed experiment: continue after the last finished epoch
         with checkpoint.as_directory() as folder:
             rm = load_saved(folder, adapters=bool(train_cfg.lora_rank))  # LoRA: pretrained base + adapters
