@@ -98,7 +98,8 @@ def _smoke(category: str) -> ProtocolConfig:
     cfg = ProtocolConfig(
         category=category,
         teacher="minilm-l6-first1",
-        max_pairs={"teacher_train": 48, "student_train": 48, "id_val": 24, "id_test": 32, "ood_val": 24, "ood_test": 32},
+        max_pairs={"teacher_train": 48, "teacher_calibration": 48, "student_train": 48, "id_val": 24, "id_test": 32,
+                   "ood_val": 24, "ood_test": 32},
         teacher_train=TrainConfig(method="gold", epochs=1, batch_size=8, learning_rate=1e-4, max_length=64),
         student_train=TrainConfig(epochs=1, batch_size=8, max_length=64),
         eval_batch_size=32,

@@ -5,7 +5,7 @@
     .venv/bin/python bench/gpu_path.py --device cpu --student minilm-l6 --quick   # the same steps on a CPU
     .venv/bin/python bench/gpu_path.py --dry-run                         # print the steps' commands only
 
-Three steps, each a subprocess of the project's own commands, its output kept under --out:
+Six steps, each a subprocess of the project's own commands, its output kept under --out:
 
 1. `pipelines/tune.py --preset smoke` with the student, `--use-gpu yes` and the precision (bf16 on a GPU
    that has it): Ray Train sets up its process group with nccl on GPU workers. Reported: wall time, and
@@ -16,6 +16,11 @@ Three steps, each a subprocess of the project's own commands, its output kept un
    over naive W2S, per epoch, every repeat.
 3. `bench/bench_service.py` with the service on the device (ANCHOR_RM_DEVICE) and batching on, at 1 and 32
    clients, beside the plain transformers loop on the same device.
+4. `tune.py --dry-run --lora-rank 16`: the memory plan of a LoRA student, to read beside step 5's peak VRAM.
+5. The tune run of step 1 with a LoRA student (rank 16; ANCHOR's reference is the student with its adapters
+   off); its trials' peak VRAM and RSS are in the same table.
+6. `bench/fsdp2_step.py` under torchrun, one process per GPU: naive and ANCHOR epochs with FSDP2, pairs/s,
+   ANCHOR over naive, peak memory per device beside the plan's (fsdp2.json).
 
 Writes summary.md (what docs/benchmarks.md takes) and summary.json under --out. `--quick` shrinks every step
 (fewer pairs, epochs, repeats and seconds) to check the script, not to measure.
@@ -63,7 +68,26 @@ def steps(args: argparse.Namespace, out: Path) -> dict[str, list[str]]:
                "--precision", args.precision, "--concurrency", "1,32", "--skip", "no-batching",
                "--out", str(out / "service.json")]
     service += ["--seconds", "3", "--repeats", "1"] if args.quick else ["--seconds", "10", "--repeats", "3"]
-    return {"tune": tune, "anchor_cost": cost, "service": service}
+    # LoRA: the same tune run with adapters (reference: the student with its adapters off), and its memory plan
+    lora = ["--lora-rank", "16", "--lora-learning-rate", "1e-3"]
+    tune_lora = [*tune[:tune.index("--name")], "--name", "gpu-path-lora", *tune[tune.index("--name") + 2:], *lora]
+    plan_lora = [PYTHON, str(ROOT / "pipelines" / "tune.py"), "--preset", "smoke", "--student", args.student,
+                 "--precision", args.precision, "--use-gpu", "yes" if gpu else "no", "--dry-run", *lora]
+    # FSDP2: one process per device (every GPU of the machine, or 2 CPU workers), naive and ANCHOR steps
+    workers = _gpu_count() if gpu else 2
+    fsdp2 = [PYTHON, "-m", "torch.distributed.run", "--nproc_per_node", str(workers), "--master_addr", "127.0.0.1",
+             "--master_port", "29533", str(ROOT / "bench" / "fsdp2_step.py"), "--student", args.student,
+             "--device", "cuda" if gpu else "cpu", "--precision", args.precision, "--out", str(out / "fsdp2.json")]
+    fsdp2 += ["--pairs", "16", "--batch-size", "8", "--max-length", "64"] if args.quick else \
+        ["--pairs", "256", "--batch-size", "16", "--max-length", "512"]
+    return {"tune": tune, "anchor_cost": cost, "service": service, "plan_lora": plan_lora, "tune_lora": tune_lora,
+            "fsdp2": fsdp2}
+
+
+def _gpu_count() -> int:
+    import torch
+
+    return max(1, torch.cuda.device_count())
 
 
 def run_step(name: str, command: list[str], out: Path) -> dict:
@@ -88,7 +112,10 @@ def trial_figures(out: Path) -> list[dict]:
             def peak(key):
                 values = [m.value for m in client.get_metric_history(run.info.run_id, key)]
                 return round(max(values), 1) if values else None
-            rows.append({"trial": run.data.tags.get("anchor_rm.trial_id"), "method": run.data.tags.get("anchor_rm.method"),
+            rows.append({"trial": run.data.tags.get("anchor_rm.trial_id"),
+                         "method": run.data.tags.get("anchor_rm.method")
+                         + (f" LoRA r{run.data.params['train.lora_rank']}"
+                            if run.data.params.get("train.lora_rank", "0") != "0" else ""),
                          "status": run.info.status, "backend": run.data.tags.get("anchor_rm.process_group_backend"),
                          "peak_vram_mb": peak("worker/peak_vram_mb"), "peak_rss_mb": peak("worker/peak_rss_mb")})
     return rows

@@ -21,10 +21,19 @@ def test_every_step_parses_with_its_commands_parser(tmp_path, flags):
     import gpu_path
     import tune
 
+    import fsdp2_step
+
     commands = gpu_path.steps(gpu_path.parse_args(flags), tmp_path)
-    assert set(commands) == {"tune", "anchor_cost", "service"}
+    assert set(commands) == {"tune", "anchor_cost", "service", "plan_lora", "tune_lora", "fsdp2"}
     tune_args = tune.build_parser().parse_args(commands["tune"][2:])
     assert tune_args.preset == "smoke" and tune_args.use_gpu == ("no" if "cpu" in flags else "yes")
+    lora_args = tune.build_parser().parse_args(commands["tune_lora"][2:])
+    assert lora_args.lora_rank == 16 and lora_args.name == "gpu-path-lora" and lora_args.use_gpu == tune_args.use_gpu
+    assert tune.build_parser().parse_args(commands["plan_lora"][2:]).dry_run
+    script = commands["fsdp2"].index(str(ROOT / "bench" / "fsdp2_step.py"))
+    assert commands["fsdp2"][2] == "torch.distributed.run"
+    fsdp2_args = fsdp2_step.parse_args(commands["fsdp2"][script + 1:])
+    assert fsdp2_args.device == ("cpu" if "cpu" in flags else "cuda") and fsdp2_args.out.endswith("fsdp2.json")
     cost_argv = commands["anchor_cost"][2:]
     device = cost_argv[cost_argv.index("--device") + 1]
     assert device == ("cpu" if "cpu" in flags else "cuda")
@@ -39,7 +48,7 @@ def test_dry_run_prints_the_steps_and_a_missing_gpu_is_one_line(tmp_path):
     dry = subprocess.run([PYTHON, str(ROOT / "bench" / "gpu_path.py"), "--dry-run", "--out", str(tmp_path)],
                          capture_output=True, text=True, timeout=120)
     assert dry.returncode == 0 and [line.split("]")[0] for line in dry.stdout.splitlines()] == \
-        ["[tune", "[anchor_cost", "[service"], dry.stdout
+        ["[tune", "[anchor_cost", "[service", "[plan_lora", "[tune_lora", "[fsdp2"], dry.stdout
     import torch
 
     if not torch.cuda.is_available():

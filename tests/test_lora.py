@@ -152,3 +152,37 @@ def test_hooks_capture_the_hidden_states_transformers_returns(architecture, tiny
             assert sorted(captured) == [1, 2]  # the anchored layers alone
             for i in (1, 2):  # 2 is the last layer: for Llama, after its final norm, as transformers returns it
                 torch.testing.assert_close(captured[i], expected[i], rtol=0, atol=0)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(1500)
+def test_a_lora_tune_run_on_smollm2_registers_a_version_the_service_scores(tmp_path):
+    import json
+
+    import numpy as np
+    from mlflow.tracking import MlflowClient
+
+    from anchor_rm.workflow import load_saved
+    from helpers import run_pipeline, sqlite_store
+    from service.holder import load_served_model
+
+    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    proc = run_pipeline("tune.py", "--preset", "smoke", "--student", "smollm2-135m", "--lora-rank", "8",
+                        "--lora-learning-rate", "1e-3", "--num-samples", "1", "--epochs", "1", "--tracking-uri", uri,
+                        "--storage-path", str(tmp_path / "ray"), "--num-cpus", "2", cwd=tmp_path, timeout=1400)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    assert "memory plan of the student" in proc.stderr and "adapters off" in proc.stderr
+    with sqlite_store(tmp_path, "anchor-rm-helpful"):
+        client = MlflowClient()
+        trials = [r for r in client.search_runs([client.get_experiment_by_name("anchor-rm-helpful").experiment_id])
+                  if r.data.params.get("train.method") in ("naive", "confidence", "anchor")]
+        assert trials and all(r.data.params["train.lora_rank"] == "8" for r in trials)
+        served = load_served_model("models:/anchor-rm-helpful/1", tmp_path / "dl")
+        folder = next((tmp_path / "dl").rglob("anchor_rm.json")).parent
+        assert json.loads((folder / "anchor_rm.json").read_text())["lora"]["rank"] == 8
+        assert (folder / "adapter" / "adapter_model.safetensors").exists()  # the adapters beside the merged model
+        prompts, responses = ["How do I boil an egg?", "Hi"], ["Boil it for eight minutes.", "Hello, how can I help?"]
+        got = served.score(prompts, responses).rewards
+        expected = load_saved(folder).scorer().score(prompts, responses).rewards
+        assert np.all(np.isfinite(got))
+        np.testing.assert_allclose(got, expected, atol=1e-5)

@@ -47,6 +47,7 @@ def _tune(cwd, *args):
                            "yes", "--worker-memory", "80GB", *args], cwd=cwd, capture_output=True, text=True, timeout=300)
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(300)
 def test_the_paper_presets_dry_run_shows_config_data_and_plan_then_refuses_what_will_not_fit(tmp_path):
     ok = _tune(tmp_path)
