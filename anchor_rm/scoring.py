@@ -50,10 +50,20 @@ def encode_pairs(encoder: RewardEncoder, pairs: Sequence[PreferencePair]) -> Enc
     return EncodedPairs(chosen, rejected, kept, identical, truncated)
 
 
-def length_sorted_batches(lengths: Sequence[int], batch_size: int) -> list[list[int]]:
-    """Batches of similar length for inference: padding is where CPU time goes on HH (136-372 tokens)."""
-    order = np.argsort(np.asarray(lengths), kind="stable")[::-1]
-    return [order[i : i + batch_size].tolist() for i in range(0, len(order), batch_size)]
+def length_sorted_batches(lengths: Sequence[int], batch_size: int, max_tokens: int | None = None) -> list[list[int]]:
+    """Batches of similar length for inference: padding is where CPU time goes on HH (136-372 tokens). With
+    `max_tokens`, a batch also holds at most that many tokens once padded (its longest sequence times its size):
+    what bounds a large model's activation memory, where a count of sequences does not. A sequence longer than
+    the budget goes alone."""
+    order = np.argsort(np.asarray(lengths), kind="stable")[::-1].tolist()
+    batches: list[list[int]] = []
+    for index in order:  # longest first: a batch's first sequence is its longest
+        if batches and len(batches[-1]) < batch_size and (
+                max_tokens is None or (len(batches[-1]) + 1) * lengths[batches[-1][0]] <= max_tokens):
+            batches[-1].append(index)
+        else:
+            batches.append([index])
+    return batches
 
 
 def reward_forward(model, batch: dict[str, torch.Tensor], output_hidden_states: bool = False):
@@ -136,10 +146,12 @@ class RewardScorer:
     fp32 (`fp32_reward_head`), so that bf16 rounding does not turn close rewards into ties.
     """
 
-    def __init__(self, model, encoder: RewardEncoder, batch_size: int = 32, precision: str = "auto"):
+    def __init__(self, model, encoder: RewardEncoder, batch_size: int = 32, precision: str = "auto",
+                 max_tokens: int | None = None):
         self.model = model
         self.encoder = encoder
         self.batch_size = batch_size
+        self.max_tokens = max_tokens  # per forward pass, padded (length_sorted_batches); None: batch_size alone
         self.precision = check_precision(precision)
 
     @torch.inference_mode()
@@ -149,7 +161,8 @@ class RewardScorer:
         rewards = np.zeros(len(encoded), dtype=np.float64)
         device = next(self.model.parameters()).device
         try:
-            for batch_indices in length_sorted_batches([len(e.input_ids) for e in encoded], self.batch_size):
+            for batch_indices in length_sorted_batches([len(e.input_ids) for e in encoded], self.batch_size,
+                                                       self.max_tokens):
                 batch = collate([encoded[i] for i in batch_indices], self.encoder.pad_token_id)
                 batch = {k: v.to(device) for k, v in batch.items()}
                 with autocast(self.precision, device.type), fp32_reward_head(self.model):

@@ -37,8 +37,8 @@ class RewardModel:
     encoder: RewardEncoder
     name: str
 
-    def scorer(self, batch_size: int = 32, precision: str = "auto") -> RewardScorer:
-        return RewardScorer(self.model, self.encoder, batch_size, precision)
+    def scorer(self, batch_size: int = 32, precision: str = "auto", max_tokens: int | None = None) -> RewardScorer:
+        return RewardScorer(self.model, self.encoder, batch_size, precision, max_tokens)
 
     def encode(self, pairs: Sequence[PreferencePair]) -> EncodedPairs:
         return encode_pairs(self.encoder, pairs)

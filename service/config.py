@@ -16,6 +16,8 @@ MLFLOW_TRACKING_URI / MLFLOW_REGISTRY_URI (unset: SQLite mlflow.db in the workin
     ANCHOR_RM_MAX_BATCH_SIZE        32                                   pairs per batch (at least 2; a larger request goes alone)
     ANCHOR_RM_FORWARD_BATCH_SIZE    8                                    sequences per forward pass: a batch is sorted by
                                                                          length and cut into passes of this size
+    ANCHOR_RM_FORWARD_MAX_TOKENS    0                                    also at most this many tokens per pass, padded
+                                                                         (0: none): a large model's activation bound
     ANCHOR_RM_MAX_LATENCY_MS        60000                                longest a request may queue for the model before a 503
     ANCHOR_RM_TIMEOUT_SECONDS       300                                  per-request timeout
     ANCHOR_RM_DOWNLOAD_DIR          (a new temporary folder)             where model versions are downloaded
@@ -84,6 +86,9 @@ class Settings:
     # pairs per batch, bf16 on 2 cores: 8 per pass scored about 1.4x the pairs/s of 32 per pass
     # (bench/service_scoring.py, docs/benchmarks.md).
     forward_batch_size: int = 8
+    # Tokens per forward pass, padded (0: no budget, forward_batch_size alone): a 7-8B model's activations grow
+    # with tokens, not pairs; e.g. 16384 scores 16 sequences of 1,024 tokens or 128 of 128 at once.
+    forward_max_tokens: int = 0
     max_latency_ms: int = 60000
     timeout_seconds: float = 300.0
     download_dir: str | None = None
@@ -107,6 +112,14 @@ def _parse(name: str, source: str, raw: object) -> object:
             raise SettingsError(f"{source}={raw!r}: expected a positive whole number") from None
         if value < 1:
             raise SettingsError(f"{source}={raw!r}: expected a positive whole number")
+        return value
+    if name == "forward_max_tokens":
+        try:
+            value = int(str(raw).strip())
+        except ValueError:
+            raise SettingsError(f"{source}={raw!r}: expected a whole number of tokens (0: no budget)") from None
+        if value < 0:
+            raise SettingsError(f"{source}={raw!r}: expected a whole number of tokens (0: no budget)")
         return value
     if name in ("poll_seconds", "timeout_seconds"):
         try:

@@ -110,7 +110,7 @@ class ServedModel:
 
 
 def load_served_model(uri: str, download_dir: str | Path, batch_size: int = 32, precision: str = "auto",
-                      device: str = "auto") -> ServedModel:
+                      device: str = "auto", max_tokens: int | None = None) -> ServedModel:
     """Resolve `uri` (anchor_rm.evaluation.resolve_model_uri: registry, run or folder), load the reward model and
     its tokenizer (workflow.load_saved) onto `device` (auto: the first CUDA GPU torch sees, else the CPU), read
     its report and headline figures. `precision` (auto | fp32 | bf16) is resolved here for that device, once
@@ -130,13 +130,18 @@ def load_served_model(uri: str, download_dir: str | Path, batch_size: int = 32, 
         reward_model.model.to(device)
     except (RuntimeError, AssertionError) as exc:  # no such device, or a torch built without CUDA
         raise RuntimeError(f"ANCHOR_RM_DEVICE={device}: cannot place the model there ({exc})") from None
+    precision = resolve_precision(precision, torch.device(device).type)
+    if precision == "bf16" and torch.device(device).type == "cuda":
+        # A GPU computing in bf16 holds the weights in bf16 too: half the memory of fp32 (16 GB for 8B). The
+        # reward head still computes in fp32 (scoring.fp32_reward_head). Untested here: no GPU was lent.
+        reward_model.model.to(torch.bfloat16)
     parsed = parse_registry_uri(uri)
     tags: dict[str, str] = {}
     if resolved.registered_name and resolved.version:
         tags = registry.version_tags(resolved.registered_name, resolved.version)
     report, report_error = _load_report(resolved.folder, resolved.registered_name, resolved.version)
     return ServedModel(
-        scorer=reward_model.scorer(batch_size, resolve_precision(precision, torch.device(device).type)), uri=uri, resolved=resolved.name,
+        scorer=reward_model.scorer(batch_size, precision, max_tokens), uri=uri, resolved=resolved.name,
         registered_name=resolved.registered_name, version=resolved.version,
         alias=parsed[1] if parsed else None, run_id=resolved.run_id, headline=headline_metrics(tags),
         report=report, report_error=report_error, max_length=reward_model.encoder.max_length,

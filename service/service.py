@@ -103,7 +103,8 @@ class RewardService:
         self._root = Path(SETTINGS.download_dir) if SETTINGS.download_dir else holder.default_download_root()
         self.limits = SETTINGS.limits()
         loader = functools.partial(holder.load_served_model, batch_size=SETTINGS.forward_batch_size,
-                                   precision=SETTINGS.precision, device=SETTINGS.device)
+                                   precision=SETTINGS.precision, device=SETTINGS.device,
+                                   max_tokens=SETTINGS.forward_max_tokens or None)
         self.holder = holder.ModelHolder(SETTINGS.model_uri, self._root, loader=loader)
         LIVE.holder = self.holder
         self.holder.load_in_background(retry_seconds=SETTINGS.poll_seconds or 10.0)

@@ -357,3 +357,27 @@ def test_the_nts_lambda_chart_draws_the_anchor_trials_and_the_baselines_as_lines
     path = nts_lambda_chart(anchor, [naive], tmp_path / "chart.png")
     assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert outcome_label(naive) == "naive W2S" and outcome_label(anchor[0]) == "ANCHOR last lambda=0.001"
+
+
+def test_a_token_budget_bounds_each_forward_pass_and_keeps_every_sequence_once():
+    from anchor_rm.scoring import length_sorted_batches
+
+    lengths = [10, 500, 30, 120, 120, 2000, 64, 64, 64, 64, 7]
+    plain = length_sorted_batches(lengths, 4)
+    assert [len(b) for b in plain] == [4, 4, 3]
+    budgeted = length_sorted_batches(lengths, 4, max_tokens=256)
+    assert sorted(i for b in budgeted for i in b) == list(range(len(lengths)))
+    for batch in budgeted:
+        longest = max(lengths[i] for i in batch)
+        assert len(batch) <= 4 and (len(batch) * longest <= 256 or len(batch) == 1)  # longer than the budget: alone
+    assert [5] in budgeted and [1] in budgeted  # 2,000 and 500 tokens: over the budget, each alone
+    assert any(len(b) == 4 and max(lengths[i] for i in b) == 64 for b in budgeted)  # four of 64 tokens fit 256
+
+
+def test_the_service_reads_a_token_budget_and_refuses_a_negative_one():
+    from service.config import SettingsError, load_settings
+
+    assert load_settings({}).forward_max_tokens == 0
+    assert load_settings({"ANCHOR_RM_FORWARD_MAX_TOKENS": "16384"}).forward_max_tokens == 16384
+    with pytest.raises(SettingsError, match="ANCHOR_RM_FORWARD_MAX_TOKENS='-1'"):
+        load_settings({"ANCHOR_RM_FORWARD_MAX_TOKENS": "-1"})
