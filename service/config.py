@@ -101,25 +101,19 @@ class Settings:
 
 _POSITIVE_INTS = {"port", "max_items", "max_candidates", "max_text_bytes", "max_body_bytes", "max_batch_size", "forward_batch_size",
                   "max_latency_ms"}
+_NON_NEGATIVE_INTS = {"forward_max_tokens": "a whole number of tokens (0: no budget)"}
 _FILE_ONLY_FORBIDDEN = {"api_key"}
 
 
 def _parse(name: str, source: str, raw: object) -> object:
-    if name in _POSITIVE_INTS:
+    if name in _POSITIVE_INTS or name in _NON_NEGATIVE_INTS:
+        least, expected = (0, _NON_NEGATIVE_INTS[name]) if name in _NON_NEGATIVE_INTS else (1, "a positive whole number")
         try:
             value = int(str(raw).strip())
         except ValueError:
-            raise SettingsError(f"{source}={raw!r}: expected a positive whole number") from None
-        if value < 1:
-            raise SettingsError(f"{source}={raw!r}: expected a positive whole number")
-        return value
-    if name == "forward_max_tokens":
-        try:
-            value = int(str(raw).strip())
-        except ValueError:
-            raise SettingsError(f"{source}={raw!r}: expected a whole number of tokens (0: no budget)") from None
-        if value < 0:
-            raise SettingsError(f"{source}={raw!r}: expected a whole number of tokens (0: no budget)")
+            value = least - 1
+        if value < least:
+            raise SettingsError(f"{source}={raw!r}: expected {expected}")
         return value
     if name in ("poll_seconds", "timeout_seconds"):
         try:
