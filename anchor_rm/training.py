@@ -34,6 +34,7 @@ from anchor_rm.models import freeze_lower_layers
 from anchor_rm.precision import autocast, check_precision
 from anchor_rm.reference_cache import ReferenceStates, encoded_digest
 from anchor_rm.scoring import EncodedPairs, capture_hidden_states, fp32_reward_head, reward_forward
+from anchor_rm.sharded import load_sharded
 
 METHODS = ("naive", "confidence", "anchor", "gold")
 
@@ -208,7 +209,9 @@ def train_reward_model(
     `reference` is the frozen pretrained copy, needed when config.uses_anchor: the model itself (one extra
     forward pass per step) or its states precomputed on these pairs (reference_cache). `on_epoch_end(epoch, model,
     optimizer_state)` runs on every rank after each epoch (evaluate, checkpoint, report) and may return
-    metrics to keep. `start_epoch` and `optimizer_state` resume an interrupted run from a checkpoint.
+    metrics to keep. `start_epoch` and `optimizer_state` resume an interrupted run from a checkpoint: the state
+    an earlier run's on_epoch_end was given, or {"sharded": checkpoint folder, "scheduler": ...} for an FSDP2
+    checkpoint, whose weights and optimizer state are read here, once the model is sharded (sharded.load_sharded).
     """
     if len(target_probs) != len(train):
         raise ValueError(f"{len(train)} training pairs but {len(target_probs)} targets")
@@ -231,7 +234,8 @@ def train_reward_model(
     if config.activation_checkpointing:
         # Non-reentrant: the reentrant kind gives no gradients when the inputs need none (a frozen base, trl#3089).
         core.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
-    if world > 1 and config.strategy == "fsdp2":
+    sharded = world > 1 and config.strategy == "fsdp2"
+    if sharded:
         shard_model(core, config.precision, world)
         if isinstance(reference, torch.nn.Module):  # the frozen copy is sharded too (its forward gathers it)
             shard_model(reference.requires_grad_(False), config.precision, world)
@@ -268,11 +272,14 @@ def train_reward_model(
     # The fused kernel updates each parameter in one pass instead of several: 0.15 s -> 0.03 s per optimiser
     # step for MiniLM-L6 on 2 CPU cores (half its 22.7M parameters are word embeddings with dense gradients);
     # 1.05-1.17x pairs/s end to end (docs/benchmarks.md). TRL's default optimiser is the same kernel.
-    fused = next(core.parameters()).device.type in ("cpu", "cuda") and not (world > 1 and config.strategy == "fsdp2")
+    fused = next(core.parameters()).device.type in ("cpu", "cuda") and not sharded
     optimizer = torch.optim.AdamW(groups, lr=config.learning_rate, fused=fused)
     scheduler = _linear_schedule(optimizer, max(1, int(total_steps * config.warmup_fraction)), total_steps)
     if optimizer_state is not None:
-        optimizer.load_state_dict(optimizer_state["optimizer"])
+        if "sharded" in optimizer_state:  # an FSDP2 checkpoint, read into this run's layout (any number of workers)
+            load_sharded(optimizer_state["sharded"], core, optimizer)
+        else:
+            optimizer.load_state_dict(optimizer_state["optimizer"])
         scheduler.load_state_dict(optimizer_state["scheduler"])
 
     result = TrainResult(steps=0, seconds=0.0, pairs_seen=0)
@@ -297,13 +304,22 @@ def train_reward_model(
                 on_step(log)
         result.steps = step
         if on_epoch_end is not None:
-            metrics = on_epoch_end(epoch, core, {"optimizer": optimizer.state_dict(), "scheduler": scheduler.state_dict()})
+            metrics = on_epoch_end(epoch, core, _resumable_state(optimizer, scheduler, sharded))
             if metrics:
                 result.epoch_metrics.append({"epoch": epoch, **metrics})
             model.train()
     result.seconds = time.perf_counter() - started
-    result.optimizer_state = {"optimizer": optimizer.state_dict(), "scheduler": scheduler.state_dict()}
+    result.optimizer_state = _resumable_state(optimizer, scheduler, sharded)
     return result
+
+
+def _resumable_state(optimizer, scheduler, sharded: bool) -> dict:
+    """What continues the run after this epoch, besides the weights: {"optimizer": its state_dict, "scheduler": ...}.
+    A sharded (FSDP2) run's optimizer state is a shard per worker, saved with the weights by every worker at once
+    (sharded.save_sharded): the optimizer itself, under "sharded_optimizer", instead of its state_dict."""
+    if sharded:
+        return {"sharded_optimizer": optimizer, "scheduler": scheduler.state_dict()}
+    return {"optimizer": optimizer.state_dict(), "scheduler": scheduler.state_dict()}
 
 
 def shard_model(model: torch.nn.Module, precision: str, world: int) -> None:

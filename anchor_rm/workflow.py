@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import logging
+import shutil
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Sequence
@@ -22,6 +23,7 @@ from anchor_rm.metrics import pairwise_accuracy, tie_rate
 from anchor_rm.models import SCORER_CONFIG, ModelSource, is_decoder, load_reward_model, load_tokenizer, resolve_model
 from anchor_rm.report import SplitResult
 from anchor_rm.scoring import EncodedPairs, HiddenStatesHook, RewardScorer, encode_pairs
+from anchor_rm.sharded import SHARDED_FOLDER, is_sharded, load_sharded
 from anchor_rm.splits import ProtocolSplits
 from anchor_rm.training import StepLog, TrainConfig, TrainResult, train_reward_model
 
@@ -109,15 +111,24 @@ def reference_states(student_name: str, rm: RewardModel, pairs: Sequence[Prefere
 
 
 def save_reward_model(rm: RewardModel, folder: str | Path, extra: dict | None = None) -> Path:
-    """A standard transformers checkpoint plus anchor_rm.json (max length), loadable by `load_saved`."""
+    """A standard transformers checkpoint plus anchor_rm.json (max length), loadable by `load_saved`.
+
+    A model sharded over workers (FSDP2) is not gathered: this writes what reads its shards (the config, the
+    tokenizer, anchor_rm.json naming the base model and sharded/), and every worker writes its own shard beside
+    it (sharded.save_sharded). `load_saved` reads such a folder in one process; `export_sharded` makes it an
+    ordinary one."""
     folder = Path(folder)
     folder.mkdir(parents=True, exist_ok=True)
     info = {"max_length": rm.encoder.max_length, "decoder": rm.encoder.decoder, "base_model": rm.name, **(extra or {})}
-    if is_adapted(rm.model):  # LoRA: the merged model is the folder; the adapters go beside it
-        merged_copy(rm.model).save_pretrained(folder)
-        save_adapters(rm.model, folder / ADAPTER_FOLDER)
+    if is_adapted(rm.model):
         lora = rm.model.peft_config["default"]
         info["lora"] = {"rank": lora.r, "alpha": lora.lora_alpha, "adapter": ADAPTER_FOLDER}
+    if is_sharded(rm.model):
+        rm.model.config.save_pretrained(folder)
+        info["sharded"] = SHARDED_FOLDER
+    elif is_adapted(rm.model):  # LoRA: the merged model is the folder; the adapters go beside it
+        merged_copy(rm.model).save_pretrained(folder)
+        save_adapters(rm.model, folder / ADAPTER_FOLDER)
     else:
         rm.model.save_pretrained(folder)
     rm.tokenizer.save_pretrained(folder)
@@ -127,21 +138,45 @@ def save_reward_model(rm: RewardModel, folder: str | Path, extra: dict | None = 
 
 def load_saved(folder: str | Path, max_length: int | None = None, *, adapters: bool = False) -> RewardModel:
     """A saved reward model, as an ordinary transformers model (a LoRA student's merged weights). `adapters`: a
-    LoRA student as it trains, its base model's pretrained weights with the saved adapters on (a resumed run)."""
+    LoRA student as it trains, its base model's pretrained weights with the saved adapters on (a resumed run).
+    A sharded (FSDP2) checkpoint is read whole here, in one process: the base model's pretrained weights (with
+    adapters, for LoRA) and the trained ones from its shards."""
     folder = Path(folder)
     info_path = folder / SCORER_CONFIG
     info = json.loads(info_path.read_text()) if info_path.exists() else {}
     source = resolve_model(str(folder))
     tokenizer = load_tokenizer(source)
     length = max_length or info.get("max_length") or min(512, getattr(tokenizer, "model_max_length", 512))
-    if adapters:
-        if "lora" not in info:
-            raise ValueError(f"{folder}: no LoRA adapters saved here ({SCORER_CONFIG} names none)")
+    if adapters and "lora" not in info:
+        raise ValueError(f"{folder}: no LoRA adapters saved here ({SCORER_CONFIG} names none)")
+    if info.get("sharded"):
+        model = load_reward_model(resolve_model(info["base_model"]))
+        if "lora" in info:
+            model = add_adapters(model, info["lora"]["rank"], info["lora"]["alpha"])
+        load_sharded(folder, model)
+        if not adapters:
+            model = (merged_copy(model) if "lora" in info else model).eval()
+    elif adapters:
         model = load_reward_model(resolve_model(info["base_model"]))
         model = load_adapters(model, folder / info["lora"]["adapter"])
     else:
         model = load_reward_model(source, dropout=None).eval()
     return RewardModel(model, tokenizer, RewardEncoder(tokenizer, int(length), is_decoder(model)), info.get("base_model", str(folder)))
+
+
+def export_sharded(folder: str | Path) -> Path:
+    """A sharded (FSDP2) checkpoint folder made an ordinary Hugging Face one in place, as `save_reward_model` writes
+    it for an unsharded model (a LoRA student: merged weights, adapters under adapter/): what the registry and the
+    service take. Files beside the model (a training state) stay; an ordinary folder is left as it is."""
+    folder = Path(folder)
+    info = json.loads((folder / SCORER_CONFIG).read_text()) if (folder / SCORER_CONFIG).exists() else {}
+    if not info.get("sharded"):
+        return folder
+    rm = load_saved(folder, adapters="lora" in info)
+    kept = {k: v for k, v in info.items() if k not in ("max_length", "decoder", "base_model", "sharded", "lora")}
+    save_reward_model(rm, folder, kept)  # anchor_rm.json last: until then the folder still reads as sharded
+    shutil.rmtree(folder / SHARDED_FOLDER)
+    return folder
 
 
 def train_on_pairs(

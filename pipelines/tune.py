@@ -140,10 +140,6 @@ def main(argv=None) -> int:
                                   workers_per_machine=args.concurrency * args.workers_per_trial,
                                   worker_memory=args.worker_memory):
             return 0
-        if cfg.student_train.strategy == "fsdp2" and args.workers_per_trial > 1:
-            raise ValueError("--strategy fsdp2 shards the student in the training loop (tests/test_fsdp.py), but a "
-                             "Tune trial's validation and checkpoints still read a whole model on rank 0: trials run "
-                             "with ddp for now (docs/scaling.md); --dry-run plans fsdp2")
         settings = MainJobSettings(
             preset=args.preset, storage_path=args.storage_path, name=args.name, resume=args.resume,
             tracking_uri=resolve_tracking_uri(args.tracking_uri),

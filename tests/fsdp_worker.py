@@ -1,13 +1,20 @@
-"""One process of tests/test_fsdp.py's runs (not a test): trains the tiny Llama for two steps with
-train_reward_model, under torchrun (2 workers, FSDP2 or DDP over gloo) or alone, and writes every step's log and
-the trained parameters (gathered whole on rank 0) to the folder given.
+"""One process of tests/test_fsdp.py's runs (not a test): trains the tiny Llama with train_reward_model, under
+torchrun (2 workers, FSDP2 over gloo) or alone, and writes every step's log and the trained parameters (gathered
+whole on rank 0) to the folder given.
 
-    python tests/fsdp_worker.py OUT_DIR STRATEGY [--lora]                                  # one process
-    torchrun --nproc_per_node 2 tests/fsdp_worker.py OUT_DIR fsdp2 [--lora]                # two workers
+    python tests/fsdp_worker.py OUT_DIR STRATEGY [--lora] [--epochs N]                     # one process
+    torchrun --nproc_per_node 2 tests/fsdp_worker.py OUT_DIR fsdp2 [--lora] [--epochs N]    # two workers
+
+With --checkpoint, the run stops after its first epoch and leaves a checkpoint in OUT_DIR/checkpoint as a Tune
+trial does (save_reward_model on rank 0, sharded.save_sharded on every worker, the scheduler's state); with
+--resume CHECKPOINT it starts from that checkpoint's second epoch, at whatever number of workers it runs with.
+The student starts from a saved tiny Llama (OUT_DIR/../base), so that the checkpoint names a base model to read.
 """
 
+import argparse
 import json
 import os
+import shutil
 import sys
 from pathlib import Path
 
@@ -20,42 +27,90 @@ import torch.distributed as dist  # noqa: E402
 from helpers import tiny_llama  # noqa: E402
 
 
+class StopAfterFirstEpoch(Exception):
+    pass
+
+
 def main() -> None:
-    out, strategy, lora = Path(sys.argv[1]), sys.argv[2], "--lora" in sys.argv
+    parser = argparse.ArgumentParser()
+    parser.add_argument("out", type=Path)
+    parser.add_argument("strategy")
+    parser.add_argument("--lora", action="store_true")
+    parser.add_argument("--epochs", type=int, default=1)
+    parser.add_argument("--checkpoint", action="store_true")
+    parser.add_argument("--resume", type=Path)
+    args = parser.parse_args()
     torch.set_num_threads(1)
     distributed = "RANK" in os.environ
     if distributed:
         dist.init_process_group("gloo")
+    rank = dist.get_rank() if distributed else 0
     from anchor_rm.data import PreferencePair
     from anchor_rm.encoding import RewardEncoder
     from anchor_rm.lora import add_adapters
-    from anchor_rm.models import load_tokenizer, resolve_model
+    from anchor_rm.models import load_reward_model, load_tokenizer, resolve_model
     from anchor_rm.scoring import encode_pairs
+    from anchor_rm.sharded import save_sharded
     from anchor_rm.training import TrainConfig, train_reward_model
+    from anchor_rm.workflow import RewardModel, save_reward_model
 
     tokenizer = load_tokenizer(resolve_model("minilm-l6"))
-    model = tiny_llama(tokenizer, seed=0)
+    base = args.out.parent / "base"
+    if rank == 0 and not (base / "config.json").exists():
+        tiny_llama(tokenizer, seed=0).save_pretrained(base)
+        tokenizer.save_pretrained(base)
+    if distributed:
+        dist.barrier()
+    torch.manual_seed(0)  # the adapters' initialisation, the same in every run
+    model = load_reward_model(resolve_model(str(base)))
     reference = None
-    if lora:
+    if args.lora:
         model = add_adapters(model, 4, 8.0)
     else:
-        reference = tiny_llama(tokenizer, seed=0).eval()
+        reference = load_reward_model(resolve_model(str(base))).eval()
     pairs = [PreferencePair(f"question number {i}", f"good answer {i % 7}", f"bad answer {i % 5} " * (i % 3 + 1), "toy")
              for i in range(16)]
-    encoded = encode_pairs(RewardEncoder(tokenizer, 32, decoder=True), pairs)
-    config = TrainConfig(method="anchor", anchor_lambda=1.0, anchor_layers="last", epochs=1, batch_size=8,
-                         learning_rate=1e-2, warmup_fraction=0.0, precision="fp32", strategy=strategy,
-                         lora_rank=4 if lora else 0, length_grouped=False)
+    encoder = RewardEncoder(tokenizer, 32, decoder=True)
+    encoded = encode_pairs(encoder, pairs)
+    config = TrainConfig(method="anchor", anchor_lambda=1.0, anchor_layers="last", epochs=args.epochs, batch_size=8,
+                         learning_rate=1e-2, warmup_fraction=0.0, precision="fp32", strategy=args.strategy,
+                         lora_rank=4 if args.lora else 0, length_grouped=False)
+    rm = RewardModel(model, tokenizer, encoder, str(base))
+
+    def checkpoint(epoch, core, state) -> None:
+        # As in a Tune trial: each worker writes into a folder of its own, then they are put together (Ray Train
+        # uploads every worker's folder into the same checkpoint).
+        folder = args.out / f"checkpoint-rank{rank}"
+        if "sharded_optimizer" in state:
+            save_sharded(folder, core, state.pop("sharded_optimizer"))
+        if rank == 0:
+            save_reward_model(rm, folder)
+            torch.save(state, folder / "training_state.pt")
+        if distributed:
+            dist.barrier()
+        if rank == 0:
+            for worker in sorted(args.out.glob("checkpoint-rank*")):
+                shutil.copytree(worker, args.out / "checkpoint", dirs_exist_ok=True)
+        raise StopAfterFirstEpoch
+
+    start_epoch, optimizer_state = 0, None
+    if args.resume is not None:
+        start_epoch = 1
+        optimizer_state = {**torch.load(args.resume / "training_state.pt", weights_only=False), "sharded": args.resume}
     logs = []
-    train_reward_model(model, encoded, [0.1 + 0.05 * i for i in range(len(encoded))], config, reference=reference,
-                       pad_token_id=tokenizer.pad_token_id, on_step=logs.append)
+    try:
+        train_reward_model(model, encoded, [0.1 + 0.05 * i for i in range(len(encoded))], config, reference=reference,
+                           pad_token_id=tokenizer.pad_token_id, on_step=logs.append,
+                           on_epoch_end=checkpoint if args.checkpoint else None,
+                           start_epoch=start_epoch, optimizer_state=optimizer_state)
+    except StopAfterFirstEpoch:
+        pass
     state = {name: (p.full_tensor() if hasattr(p, "full_tensor") else p).detach().clone()
              for name, p in model.named_parameters()}
-    rank = dist.get_rank() if distributed else 0
     if rank == 0:
-        out.mkdir(parents=True, exist_ok=True)
-        torch.save(state, out / "parameters.pt")
-        (out / "steps.json").write_text(json.dumps([log.__dict__ for log in logs]))
+        args.out.mkdir(parents=True, exist_ok=True)
+        torch.save(state, args.out / "parameters.pt")
+        (args.out / "steps.json").write_text(json.dumps([log.__dict__ for log in logs]))
     if distributed:
         dist.destroy_process_group()
 

@@ -1,6 +1,7 @@
 """FSDP2 on CPU (gloo): two workers that shard the tiny Llama train it exactly as one process does (the sharded
 gradients are averaged, not summed: pytorch#162338), for full fine-tuning with a sharded frozen reference and for
-a LoRA student whose reference is itself with its adapters off."""
+a LoRA student whose reference is itself with its adapters off; and their checkpoint (torch.distributed.checkpoint)
+continues at another number of workers and exports to an ordinary Hugging Face folder."""
 
 import json
 import os
@@ -15,9 +16,9 @@ from helpers import PYTHON, ROOT, free_port
 WORKER = ROOT / "tests" / "fsdp_worker.py"
 
 
-def _run(out, strategy, workers, lora):
+def _run(out, strategy, workers, lora, *options):
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    extra = ["--lora"] if lora else []
+    extra = (["--lora"] if lora else []) + list(options)
     if workers == 1:
         cmd = [PYTHON, str(WORKER), str(out), strategy, *extra]
     else:
@@ -45,3 +46,97 @@ def test_two_fsdp2_workers_train_as_one_process_does(tmp_path, lora):
     # above are what tells an average from a sum; this says the sharded run trained the same model.
     for name, value in alone.items():
         torch.testing.assert_close(sharded[name], value, rtol=0, atol=2e-5, msg=lambda m, name=name: f"{name}: {m}")
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("lora", [False, True], ids=["full", "lora"])
+def test_an_fsdp2_checkpoint_continues_on_one_process_and_exports_an_ordinary_folder(tmp_path, lora):
+    from anchor_rm.workflow import export_sharded, load_saved
+
+    _, whole = _run(tmp_path / "whole", "fsdp2", 1, lora, "--epochs", "2")  # two epochs, one process, no stop
+    _, after_first = _run(tmp_path / "first", "fsdp2", 2, lora, "--epochs", "2", "--checkpoint")
+    checkpoint = tmp_path / "first" / "checkpoint"
+    # every worker's shard, and rank 0's index of them; no gathered weights
+    assert sorted(p.name for p in (checkpoint / "sharded").iterdir()) == [".metadata", "__0_0.distcp", "__1_0.distcp"]
+    assert not list(checkpoint.glob("*.safetensors"))
+    resumed_steps, resumed = _run(tmp_path / "resumed", "fsdp2", 1, lora, "--epochs", "2", "--resume", str(checkpoint))
+    assert [s["step"] for s in resumed_steps] == [2, 3] and resumed_steps[0]["learning_rate"] > 0
+    assert resumed.keys() == whole.keys()
+    for name, value in whole.items():  # the sharded optimizer state came back too: Adam's second epoch is the same
+        torch.testing.assert_close(resumed[name], value, rtol=0, atol=5e-5, msg=lambda m, name=name: f"{name}: {m}")
+
+    # Read whole in this process (no process group): the weights the two workers held after the first epoch.
+    as_trained = load_saved(checkpoint, adapters=lora)
+    for name, parameter in as_trained.model.named_parameters():
+        torch.testing.assert_close(parameter.detach(), after_first[name], rtol=0, atol=0, msg=name)
+    prompts, responses = ["question number 3", "hello"], ["good answer 3", "bad answer"]
+    expected = load_saved(checkpoint).scorer().score(prompts, responses).rewards
+    export_sharded(checkpoint)
+    assert not (checkpoint / "sharded").exists() and (checkpoint / "model.safetensors").exists()
+    assert "sharded" not in json.loads((checkpoint / "anchor_rm.json").read_text())
+    assert (checkpoint / "adapter" / "adapter_model.safetensors").exists() == lora
+    torch.testing.assert_close(torch.as_tensor(load_saved(checkpoint).scorer().score(prompts, responses).rewards),
+                               torch.as_tensor(expected), rtol=0, atol=1e-6)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(900)
+def test_a_lora_tune_run_sharded_over_two_workers_resumes_and_registers_a_version_the_service_scores(tmp_path):
+    """tune.py --lora-rank 8 --strategy fsdp2 --workers-per-trial 2 on a decoder: each trial's LoRA student
+    (reference: adapters off) is sharded over two Ray Train workers, its checkpoints are both workers' shards in
+    one folder; one worker killed after the first epoch's checkpoint makes Ray Train restart the trial from those
+    shards; the selected model is registered as one ordinary folder (merged weights plus adapter/) that the
+    service's loader scores as the library does. The student is a tiny Llama with SmolLM2's tokenizer and chat
+    template: SmolLM2-135M itself took about an hour beside another job (docs/scaling.md), too long for the suite.
+    (The full fine-tune's shards, resume and export: the test above.)"""
+    import numpy as np
+    from mlflow.tracking import MlflowClient
+
+    from anchor_rm.mlflow_edge import keys
+    from anchor_rm.models import load_tokenizer, resolve_model
+    from anchor_rm.workflow import load_saved
+    from helpers import assert_history_explained, run_pipeline, sqlite_store, tiny_llama
+    from service.holder import load_served_model
+    from tuning.trainable import STEP_HOOK_ENV
+
+    tokenizer = load_tokenizer(resolve_model("smollm2-135m"))
+    student = tmp_path / "tiny-llama"
+    tiny_llama(tokenizer).save_pretrained(student)
+    tokenizer.save_pretrained(student)
+    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    killed = tmp_path / "killed"
+    # 48 pairs in batches of 8: 6 steps an epoch; step 8 is in the second, after the first epoch's checkpoint
+    hook = f"{ROOT / 'tests' / 'fault_hooks.py'}:kill_once_at:8:{killed}"
+    proc = run_pipeline("tune.py", "--preset", "smoke", "--student", str(student), "--lora-rank", "8",
+                        "--lora-learning-rate", "1e-3", "--strategy", "fsdp2",
+                        "--workers-per-trial", "2", "--concurrency", "1", "--num-samples", "1", "--tracking-uri", uri,
+                        "--storage-path", str(tmp_path / "ray"), "--num-cpus", "2", cwd=tmp_path,
+                        env={STEP_HOOK_ENV: hook}, timeout=800)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    assert "memory plan of the student" in proc.stderr and "adapters off" in proc.stderr
+    assert killed.exists()
+    checkpoints = [p.parent.parent for p in (tmp_path / "ray").rglob("sharded/.metadata")]
+    assert checkpoints and all(sorted(f.name for f in (c / "sharded").glob("*.distcp")) == ["__0_0.distcp", "__1_0.distcp"]
+                               for c in checkpoints)
+    with sqlite_store(tmp_path, "anchor-rm-helpful"):
+        client = MlflowClient()
+        trials = [r for r in client.search_runs([client.get_experiment_by_name("anchor-rm-helpful").experiment_id])
+                  if r.data.params.get("train.method") in ("naive", "confidence", "anchor")]
+        assert len(trials) == 3 and all(r.data.params["train.strategy"] == "fsdp2" for r in trials)
+        assert all(r.data.params["train.lora_rank"] == "8" for r in trials)
+        assert all(r.data.tags[keys.PROCESS_GROUP_TAG] == "gloo" for r in trials)
+        resumed = [r for r in trials if keys.RESUMED_FROM_EPOCH_TAG in r.data.tags]
+        assert len(resumed) == 1 and resumed[0].data.tags[keys.RESUMED_FROM_EPOCH_TAG] == "0"
+        assert assert_history_explained(client, resumed[0].info.run_id, steps_per_epoch=6, epochs=2) == [6]
+        served = load_served_model("models:/anchor-rm-helpful/1", tmp_path / "dl")
+        folder = next((tmp_path / "dl").rglob("anchor_rm.json")).parent
+        assert "sharded" not in json.loads((folder / "anchor_rm.json").read_text())
+        assert (folder / "model.safetensors").exists() and not (folder / "sharded").exists()
+        assert json.loads((folder / "anchor_rm.json").read_text())["lora"]["rank"] == 8
+        assert (folder / "adapter" / "adapter_model.safetensors").exists()  # the adapters beside the merged model
+        prompts, responses = ["How do I boil an egg?", "Hi"], ["Boil it for eight minutes.", "Hello, how can I help?"]
+        got = served.score(prompts, responses).rewards
+        expected = load_saved(folder).scorer().score(prompts, responses).rewards
+        assert np.all(np.isfinite(got)) and got[0] != got[1]
+        np.testing.assert_allclose(got, expected, atol=1e-5)

@@ -154,44 +154,4 @@ def test_hooks_capture_the_hidden_states_transformers_returns(architecture, tiny
                 torch.testing.assert_close(captured[i], expected[i], rtol=0, atol=0)
 
 
-@pytest.mark.slow
-@pytest.mark.timeout(900)
-def test_a_lora_tune_run_registers_a_version_the_service_scores(tmp_path):
-    """tune.py with --lora-rank on a decoder: trials train adapters (reference: adapters off), the selected
-    version is registered as merged weights plus adapter/, and the service's loader scores it. The student is a
-    tiny Llama with SmolLM2's tokenizer and chat template: SmolLM2-135M itself takes about 10 minutes here
-    (docs/scaling.md has that run), too long for the suite."""
-    import json
-
-    import numpy as np
-    from mlflow.tracking import MlflowClient
-
-    from anchor_rm.models import load_tokenizer, resolve_model
-    from anchor_rm.workflow import load_saved
-    from helpers import run_pipeline, sqlite_store
-    from service.holder import load_served_model
-
-    tokenizer = load_tokenizer(resolve_model("smollm2-135m"))
-    student = tmp_path / "tiny-llama"
-    tiny_llama(tokenizer).save_pretrained(student)
-    tokenizer.save_pretrained(student)
-    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
-    proc = run_pipeline("tune.py", "--preset", "smoke", "--student", str(student), "--lora-rank", "8",
-                        "--lora-learning-rate", "1e-3", "--num-samples", "1", "--epochs", "1", "--tracking-uri", uri,
-                        "--storage-path", str(tmp_path / "ray"), "--num-cpus", "2", cwd=tmp_path, timeout=800)
-    assert proc.returncode == 0, proc.stderr[-4000:]
-    assert "memory plan of the student" in proc.stderr and "adapters off" in proc.stderr
-    with sqlite_store(tmp_path, "anchor-rm-helpful"):
-        client = MlflowClient()
-        trials = [r for r in client.search_runs([client.get_experiment_by_name("anchor-rm-helpful").experiment_id])
-                  if r.data.params.get("train.method") in ("naive", "confidence", "anchor")]
-        assert trials and all(r.data.params["train.lora_rank"] == "8" for r in trials)
-        served = load_served_model("models:/anchor-rm-helpful/1", tmp_path / "dl")
-        folder = next((tmp_path / "dl").rglob("anchor_rm.json")).parent
-        assert json.loads((folder / "anchor_rm.json").read_text())["lora"]["rank"] == 8
-        assert (folder / "adapter" / "adapter_model.safetensors").exists()  # the adapters beside the merged model
-        prompts, responses = ["How do I boil an egg?", "Hi"], ["Boil it for eight minutes.", "Hello, how can I help?"]
-        got = served.score(prompts, responses).rewards
-        expected = load_saved(folder).scorer().score(prompts, responses).rewards
-        assert np.all(np.isfinite(got)) and got[0] != got[1]
-        np.testing.assert_allclose(got, expected, atol=1e-5)
+# The LoRA tune run (registered, then scored by the service) is in tests/test_fsdp.py, sharded over two workers.

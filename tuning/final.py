@@ -16,17 +16,18 @@ from anchor_rm.metrics import difference_standard_error
 from anchor_rm.mlflow_edge import keys, runs
 from anchor_rm.mlflow_edge.registry import RegisteredVersion, log_and_register
 from anchor_rm.report import EvaluationReport
-from anchor_rm.workflow import load_saved
+from anchor_rm.workflow import export_sharded, load_saved
 from tuning.search import SELECTION_RULE, TrialOutcome, best_trial, tied_with
 
 log = logging.getLogger("anchor_rm")
 
 
 def checkpoint_folder(outcome: TrialOutcome, into: Path) -> Path:
-    """A trial's last checkpoint as a local folder (works for local and remote Ray storage)."""
+    """A trial's last checkpoint as a local, ordinary Hugging Face folder (works for local and remote Ray
+    storage; an FSDP2 trial's shards are read whole and written as one model, workflow.export_sharded)."""
     import ray.train
 
-    return Path(ray.train.Checkpoint(outcome.checkpoint_path).to_directory(str(into)))
+    return export_sharded(ray.train.Checkpoint(outcome.checkpoint_path).to_directory(str(into)))
 
 
 def evaluate_outcome(shared: SharedStages, outcome: TrialOutcome, folder: Path, student: str, teacher: str,

@@ -9,6 +9,7 @@ checkpoint keeps writing to the same run instead of opening a duplicate.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import math
 import os
@@ -84,16 +85,19 @@ def _train_config(payload: SharedPayload, config: dict):
 def train_loop_per_worker(config: dict) -> None:
     """Ray Train's per-worker function: build the student, resume from the latest checkpoint if any, train
     (student.train_student: one student run, as everywhere), and after each epoch measure on the validation
-    splits (rank 0), checkpoint and report."""
-    import resource
+    splits (rank 0), checkpoint and report.
 
+    With --strategy fsdp2 and several workers the student is sharded (training.shard_model): every worker runs
+    the validation passes (each forward pass gathers the layers from all of them; rank 0 logs), and every
+    worker writes its shard of the weights and optimizer state into the epoch's checkpoint, which Ray Train
+    gathers into one folder (sharded.save_sharded); a restarted or resumed trial reads it at any number of
+    workers. final.checkpoint_folder turns the selected one into an ordinary Hugging Face folder."""
     import ray.train
     import ray.train.torch
 
-    from anchor_rm.mlflow_edge import keys, runs
     from anchor_rm.mlflow_edge.writer import BufferedRunWriter
-    from anchor_rm.student import NoSink, Validation, train_student
-    from anchor_rm.workflow import frozen_reference, load_saved, load_student, save_reward_model, scores_from_dict
+    from anchor_rm.sharded import SHARDED_FOLDER
+    from anchor_rm.workflow import load_saved, load_student
 
     payload: SharedPayload = config["payload"]
     torch.set_num_threads(payload.threads_per_worker)
@@ -101,19 +105,43 @@ def train_loop_per_worker(config: dict) -> None:
     train_cfg = _train_config(payload, config)
     context = ray.train.get_context()
     rank = context.get_world_rank()
+    sharded = train_cfg.strategy == "fsdp2" and context.get_world_size() > 1
     device = ray.train.torch.get_device()
     run_id = config["mlflow_run_id"]
 
     start_epoch, optimizer_state, undelivered = 0, None, []
     checkpoint = ray.train.get_checkpoint()
-    if checkpoint is None:
-        rm = load_student(cfg.student, train_cfg, device="cpu")  # moved to this worker's device below
-    else:  # a restarted worker or a resumed experiment: continue after the last finished epoch
-        with checkpoint.as_directory() as folder:
-            rm = load_saved(folder, adapters=bool(train_cfg.lora_rank))  # LoRA: pretrained base + adapters
-            state = torch.load(Path(folder) / TRAINING_STATE, weights_only=False)
+    with contextlib.ExitStack() as opened:
+        if checkpoint is None:
+            rm = load_student(cfg.student, train_cfg, device="cpu")  # moved to this worker's device below
+        else:  # a restarted worker or a resumed experiment: continue after the last finished epoch
+            # Open until training ends: a sharded checkpoint is read once the student is sharded.
+            folder = Path(opened.enter_context(checkpoint.as_directory()))
+            state = torch.load(folder / TRAINING_STATE, weights_only=False)
             undelivered = BufferedRunWriter.read_pending(folder)
-        start_epoch, optimizer_state = state["epoch"] + 1, state["optimizer_state"]
+            start_epoch, optimizer_state = state["epoch"] + 1, state["optimizer_state"]
+            if (folder / SHARDED_FOLDER).is_dir():  # FSDP2: the pretrained student, then the shards read into it
+                rm = load_student(cfg.student, train_cfg, device="cpu")
+                optimizer_state = {**optimizer_state, "sharded": folder}
+            else:
+                rm = load_saved(folder, adapters=bool(train_cfg.lora_rank))  # LoRA: pretrained base + adapters
+        _train_trial(payload, config, train_cfg, rm, device, rank, sharded, start_epoch, optimizer_state, undelivered)
+
+
+def _train_trial(payload: SharedPayload, config: dict, train_cfg, rm, device, rank: int, sharded: bool,
+                 start_epoch: int, optimizer_state: dict | None, undelivered: list) -> None:
+    """One worker's training of the trial, from `start_epoch` (train_loop_per_worker has loaded the student)."""
+    import resource
+
+    import ray.train
+
+    from anchor_rm.mlflow_edge import keys, runs
+    from anchor_rm.mlflow_edge.writer import BufferedRunWriter
+    from anchor_rm.sharded import save_sharded
+    from anchor_rm.student import NoSink, Validation, train_student
+    from anchor_rm.workflow import frozen_reference, save_reward_model, scores_from_dict
+
+    cfg, run_id = payload.cfg, config["mlflow_run_id"]
     rm.model.to(device).train()
     # The frozen reference's states: computed once by the driver, shared by every trial via the object store.
     reference = None
@@ -129,7 +157,7 @@ def train_loop_per_worker(config: dict) -> None:
     if start_epoch and writer is not None:
         runs.set_run_tag(payload.tracking_uri, run_id, keys.RESUMED_FROM_EPOCH_TAG, str(start_epoch - 1))
     validation = None
-    if rank == 0:
+    if rank == 0 or sharded:  # a sharded student's forward pass needs every worker
         validation = Validation(payload.splits, scores_from_dict(payload.teacher_val), payload.headline_targets,
                                 cfg.eval_batch_size, cfg.precision)
 
@@ -146,6 +174,9 @@ def train_loop_per_worker(config: dict) -> None:
             peak = {"worker/peak_rss_mb": peak_rss_mb}
             if device.type == "cuda":  # the most GPU memory this worker's tensors held so far
                 peak["worker/peak_vram_mb"] = torch.cuda.max_memory_allocated(device) / 2**20
+            if sharded:  # every worker its shard; Ray Train puts the workers' folders together
+                save_sharded(tmp, rm.model, opt_state["sharded_optimizer"])
+                opt_state = {k: v for k, v in opt_state.items() if k != "sharded_optimizer"}
             if writer is not None:
                 writer.add({**peak, "worker/tracking_blocked_s": writer.blocked_s}, epoch)
                 save_reward_model(rm, tmp, {"method": train_cfg.method, "teacher": cfg.teacher})
@@ -154,7 +185,8 @@ def train_loop_per_worker(config: dict) -> None:
             tune_metrics = {METRIC: metrics.get("val/mean_nts", 0.0), "val_wrg": metrics.get("val/wrg", 0.0),
                             "val_id_acc": metrics.get(f"val/acc/{keys.metric_name(payload.splits.source)}", 0.0),
                             "epoch": epoch, **{k.replace("/", "_"): v for k, v in peak.items()}}
-            ray.train.report(tune_metrics, checkpoint=ray.train.Checkpoint.from_directory(tmp) if rank == 0 else None)
+            keep = rank == 0 or sharded
+            ray.train.report(tune_metrics, checkpoint=ray.train.Checkpoint.from_directory(tmp) if keep else None)
 
     train_student(rm, payload.splits.student_train, payload.soft_labels, train_cfg, writer or NoSink(),
                   validation=validation, reference=reference, after_step=after_step, after_epoch=after_epoch,
