@@ -5,9 +5,10 @@ whole on rank 0) to the folder given.
     python tests/fsdp_worker.py OUT_DIR STRATEGY [--lora] [--epochs N]                     # one process
     torchrun --nproc_per_node 2 tests/fsdp_worker.py OUT_DIR fsdp2 [--lora] [--epochs N]    # two workers
 
-With --checkpoint, the run stops after its first epoch and leaves a checkpoint in OUT_DIR/checkpoint as a Tune
-trial does (save_reward_model on rank 0, sharded.save_sharded on every worker, the scheduler's state); with
---resume CHECKPOINT it starts from that checkpoint's second epoch, at whatever number of workers it runs with.
+With --checkpoint, the run leaves a checkpoint of its first epoch in OUT_DIR/checkpoint as a Tune trial does
+(save_reward_model on rank 0, sharded.save_sharded on every worker, the scheduler's state), and the weights it
+held then in OUT_DIR/first_epoch.pt, and goes on; with --resume CHECKPOINT it starts from that checkpoint's
+second epoch, at whatever number of workers it runs with.
 The student starts from a saved tiny Llama (OUT_DIR/../base), so that the checkpoint names a base model to read.
 """
 
@@ -25,10 +26,6 @@ import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 
 from helpers import tiny_llama  # noqa: E402
-
-
-class StopAfterFirstEpoch(Exception):
-    pass
 
 
 def main() -> None:
@@ -80,6 +77,12 @@ def main() -> None:
     def checkpoint(epoch, core, state) -> None:
         # As in a Tune trial: each worker writes into a folder of its own, then they are put together (Ray Train
         # uploads every worker's folder into the same checkpoint).
+        if epoch != 0:
+            return
+        weights = gathered(model)  # a collective: every worker takes part
+        if rank == 0:
+            args.out.mkdir(parents=True, exist_ok=True)
+            torch.save(weights, args.out / "first_epoch.pt")
         folder = args.out / f"checkpoint-rank{rank}"
         if "sharded_optimizer" in state:
             save_sharded(folder, core, state.pop("sharded_optimizer"))
@@ -91,28 +94,29 @@ def main() -> None:
         if rank == 0:
             for worker in sorted(args.out.glob("checkpoint-rank*")):
                 shutil.copytree(worker, args.out / "checkpoint", dirs_exist_ok=True)
-        raise StopAfterFirstEpoch
 
     start_epoch, optimizer_state = 0, None
     if args.resume is not None:
         start_epoch = 1
         optimizer_state = {**torch.load(args.resume / "training_state.pt", weights_only=False), "sharded": args.resume}
     logs = []
-    try:
-        train_reward_model(model, encoded, [0.1 + 0.05 * i for i in range(len(encoded))], config, reference=reference,
-                           pad_token_id=tokenizer.pad_token_id, on_step=logs.append,
-                           on_epoch_end=checkpoint if args.checkpoint else None,
-                           start_epoch=start_epoch, optimizer_state=optimizer_state)
-    except StopAfterFirstEpoch:
-        pass
-    state = {name: (p.full_tensor() if hasattr(p, "full_tensor") else p).detach().clone()
-             for name, p in model.named_parameters()}
+    train_reward_model(model, encoded, [0.1 + 0.05 * i for i in range(len(encoded))], config, reference=reference,
+                       pad_token_id=tokenizer.pad_token_id, on_step=logs.append,
+                       on_epoch_end=checkpoint if args.checkpoint else None,
+                       start_epoch=start_epoch, optimizer_state=optimizer_state)
+    state = gathered(model)
     if rank == 0:
         args.out.mkdir(parents=True, exist_ok=True)
         torch.save(state, args.out / "parameters.pt")
         (args.out / "steps.json").write_text(json.dumps([log.__dict__ for log in logs]))
     if distributed:
         dist.destroy_process_group()
+
+
+def gathered(model) -> dict:
+    """Every parameter whole (a sharded one gathered from all workers: call it on every worker)."""
+    return {name: (p.full_tensor() if hasattr(p, "full_tensor") else p).detach().clone()
+            for name, p in model.named_parameters()}
 
 
 if __name__ == "__main__":

@@ -32,41 +32,39 @@ def _run(out, strategy, workers, lora, *options):
 @pytest.mark.slow
 @pytest.mark.timeout(300)
 @pytest.mark.parametrize("lora", [False, True], ids=["full", "lora"])
-def test_two_fsdp2_workers_train_as_one_process_does(tmp_path, lora):
-    alone_steps, alone = _run(tmp_path / "alone", "fsdp2", 1, lora)
-    sharded_steps, sharded = _run(tmp_path / "sharded", "fsdp2", 2, lora)
-    assert len(alone_steps) == len(sharded_steps) == 2
-    for one, two in zip(alone_steps, sharded_steps):
+def test_two_fsdp2_workers_train_as_one_process_does_and_their_checkpoint_continues_on_one_and_exports(tmp_path, lora):
+    """Two epochs of 2 steps: two workers against one process; the workers' checkpoint of their first epoch then
+    continued by one process, read whole, and exported to an ordinary folder."""
+    from anchor_rm.workflow import export_sharded, load_saved
+
+    alone_steps, alone = _run(tmp_path / "alone", "fsdp2", 1, lora, "--epochs", "2")
+    sharded_steps, sharded = _run(tmp_path / "sharded", "fsdp2", 2, lora, "--epochs", "2", "--checkpoint")
+    assert len(alone_steps) == len(sharded_steps) == 4
+    for one, two in zip(alone_steps[:2], sharded_steps[:2]):
         # the whole batch's gradient norm: a sum over workers instead of a mean would double it
         assert two["grad_norm"] == pytest.approx(one["grad_norm"], rel=1e-5)
+    for one, two in zip(alone_steps[2:], sharded_steps[2:]):  # after steps that differ by fp32 rounding
+        assert two["grad_norm"] == pytest.approx(one["grad_norm"], rel=1e-3)
     assert sharded_steps[1]["anchor_loss"] > 0
     assert alone.keys() == sharded.keys()
     # Adam's first steps divide each gradient by its own magnitude, which turns fp32 rounding in the tiniest
-    # gradients into differences up to about 1e-5 at learning rate 1e-2 (measured: 6e-6). The gradient norms
-    # above are what tells an average from a sum; this says the sharded run trained the same model.
+    # gradients into differences up to about 1e-5 at learning rate 1e-2 (measured: 6e-6 after one epoch). The
+    # gradient norms above are what tells an average from a sum; this says the sharded run trained the same model.
     for name, value in alone.items():
-        torch.testing.assert_close(sharded[name], value, rtol=0, atol=2e-5, msg=lambda m, name=name: f"{name}: {m}")
+        torch.testing.assert_close(sharded[name], value, rtol=0, atol=5e-5, msg=lambda m, name=name: f"{name}: {m}")
 
-
-@pytest.mark.slow
-@pytest.mark.timeout(300)
-@pytest.mark.parametrize("lora", [False, True], ids=["full", "lora"])
-def test_an_fsdp2_checkpoint_continues_on_one_process_and_exports_an_ordinary_folder(tmp_path, lora):
-    from anchor_rm.workflow import export_sharded, load_saved
-
-    _, whole = _run(tmp_path / "whole", "fsdp2", 1, lora, "--epochs", "2")  # two epochs, one process, no stop
-    _, after_first = _run(tmp_path / "first", "fsdp2", 2, lora, "--epochs", "2", "--checkpoint")
-    checkpoint = tmp_path / "first" / "checkpoint"
+    checkpoint = tmp_path / "sharded" / "checkpoint"
     # every worker's shard, and rank 0's index of them; no gathered weights
     assert sorted(p.name for p in (checkpoint / "sharded").iterdir()) == [".metadata", "__0_0.distcp", "__1_0.distcp"]
     assert not list(checkpoint.glob("*.safetensors"))
     resumed_steps, resumed = _run(tmp_path / "resumed", "fsdp2", 1, lora, "--epochs", "2", "--resume", str(checkpoint))
     assert [s["step"] for s in resumed_steps] == [2, 3] and resumed_steps[0]["learning_rate"] > 0
-    assert resumed.keys() == whole.keys()
-    for name, value in whole.items():  # the sharded optimizer state came back too: Adam's second epoch is the same
+    assert resumed.keys() == alone.keys()
+    for name, value in alone.items():  # the sharded optimizer state came back too: Adam's second epoch is the same
         torch.testing.assert_close(resumed[name], value, rtol=0, atol=5e-5, msg=lambda m, name=name: f"{name}: {m}")
 
     # Read whole in this process (no process group): the weights the two workers held after the first epoch.
+    after_first = torch.load(tmp_path / "sharded" / "first_epoch.pt")
     as_trained = load_saved(checkpoint, adapters=lora)
     for name, parameter in as_trained.model.named_parameters():
         torch.testing.assert_close(parameter.detach(), after_first[name], rtol=0, atol=0, msg=name)
