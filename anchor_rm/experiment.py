@@ -26,6 +26,7 @@ from anchor_rm.training import TrainConfig
 from anchor_rm.workflow import (
     RewardModel,
     evaluate_model,
+    evaluation_sets,
     load_student,
     reference_states,
     scores_from_dict,
@@ -232,14 +233,24 @@ def prepare_shared(cfg: ProtocolConfig, experiment_id: str) -> SharedStages:
 
 
 def final_report(shared: SharedStages, rm: RewardModel, model_info: dict, eval_batch_size: int, precision: str,
-                 selection_splits: str = "none", selection: dict | None = None) -> EvaluationReport:
+                 selection_splits: str = "none", selection: dict | None = None,
+                 validation_scores: dict | None = None) -> EvaluationReport:
     """The student on every test split, beside the teacher (and ceiling), as a report; `precision` is the
     experiment's resolved precision (the teacher's test scores were taken in it too). The same on every
-    validation split goes into the report's validation block: what promotion compares."""
+    validation split goes into the report's validation block: what promotion compares. `validation_scores`: this
+    model's scores per validation set as its training measured them after its last epoch (StudentRun), taken
+    instead of scoring it on them again."""
     model_info = {**model_info, "precision": precision}
     rows = {}
     for split in ("val", "test"):
-        student = evaluate_model(rm, shared.splits, split, eval_batch_size, precision=precision)
+        if split == "val" and validation_scores is not None:
+            expected = {name for name, _, _ in evaluation_sets(shared.splits, "val")}
+            if set(validation_scores) != expected:
+                raise ValueError(f"validation scores for {sorted(validation_scores)}, but the validation sets are "
+                                 f"{sorted(expected)}")
+            student = validation_scores
+        else:
+            student = evaluate_model(rm, shared.splits, split, eval_batch_size, precision=precision)
         rows[split] = split_results(shared.splits, split, student, shared.teacher_scores(split),
                                     shared.ceiling_scores(split))
     digests = {k: v for k, v in shared.data.outputs["digests"].items()}
@@ -265,16 +276,17 @@ def run_student(cfg: ProtocolConfig, shared: SharedStages, train_cfg: TrainConfi
                                          precision=train_cfg.precision, batch_size=cfg.eval_batch_size)
             runs.log_metrics({"reference_cache/megabytes": reference.nbytes() / 1e6})
 
-        def after_epoch(epoch: int, metrics: dict, _optimizer_state: dict) -> None:
+        def after_epoch(epoch: int, metrics: dict, _optimizer_state: dict, _scores: dict | None) -> None:
             log.info("epoch %d: val mean NTS %.2f, val ID acc %.1f", epoch, metrics["val/mean_nts"],
                      metrics[f"val/acc/{keys.metric_name(shared.splits.source)}"])
 
-        train_student(rm, shared.splits.student_train, shared.soft_labels(train_cfg.teacher_labels), train_cfg,
-                      ActiveRunSink(), validation=shared.validation(cfg.eval_batch_size, cfg.precision),
-                      reference=reference, after_epoch=after_epoch)
+        trained = train_student(rm, shared.splits.student_train, shared.soft_labels(train_cfg.teacher_labels), train_cfg,
+                                ActiveRunSink(), validation=shared.validation(cfg.eval_batch_size, cfg.precision),
+                                reference=reference, after_epoch=after_epoch)
         info = {"name": f"{cfg.student} ({train_cfg.method})", "student": cfg.student, "teacher": cfg.teacher,
                 "method": train_cfg.method, "hyperparameters": train_cfg.to_dict(), "run_id": run_id}
-        report = final_report(shared, rm, info, cfg.eval_batch_size, cfg.precision)
+        report = final_report(shared, rm, info, cfg.eval_batch_size, cfg.precision,
+                              validation_scores=trained.validation_scores)
         runs.log_report(report)
         runs.log_reward_model(rm, {"method": train_cfg.method, "teacher": cfg.teacher})
     return run_id, report

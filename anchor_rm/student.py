@@ -51,6 +51,9 @@ class StudentRun:
     pairs: int  # pairs trained on after encoding
     identical_after_truncation: int
     history: list[dict] = field(default_factory=list)  # the validation metrics after each epoch (when measured)
+    # The last epoch's scores per validation set (workflow.SplitScore), when measured: the trained model's, so the
+    # report's validation block takes them instead of scoring the same model on the same pairs again.
+    validation_scores: dict | None = None
 
 
 def train_student(
@@ -63,16 +66,17 @@ def train_student(
     validation: Validation | None = None,
     reference=None,
     after_step: Callable[[StepLog], None] | None = None,
-    after_epoch: Callable[[int, dict[str, float], dict], None] | None = None,
+    after_epoch: Callable[[int, dict[str, float], dict, dict | None], None] | None = None,
     start_epoch: int = 0,
     optimizer_state: dict | None = None,
 ) -> StudentRun:
     """Trains `rm` in place on `pairs` (soft labels, or gold when None), logging each step's losses; after
     each epoch, measures it on `validation` (when given) and logs that with the epoch as step, then calls
-    `after_epoch(epoch, metrics, optimizer_state)` (a checkpoint). At the end, logs what training took.
+    `after_epoch(epoch, metrics, optimizer_state, scores)` (a checkpoint; scores None without validation). At the end, logs what training took.
     `start_epoch` and `optimizer_state` continue from a checkpoint; the first step run again then carries
     train/resumed_from_epoch, so that a step logged twice is explained by the metric beside it."""
     history: list[dict] = []
+    last_scores: list[dict | None] = [None]
     resumed = [start_epoch > 0]
 
     def on_step(entry: StepLog) -> None:
@@ -86,15 +90,17 @@ def train_student(
 
     def on_epoch_end(epoch: int, model, opt_state: dict) -> dict:
         metrics: dict[str, float] = {}
+        scores = None
         if validation is not None:
-            _, metrics = validation.measure(rm)
+            scores, metrics = validation.measure(rm)
             sink.log(metrics, epoch)
             history.append(metrics)
+        last_scores[0] = scores
         if after_epoch is not None:
-            after_epoch(epoch, metrics, opt_state)
+            after_epoch(epoch, metrics, opt_state, scores)
         return metrics
 
     result, encoded = train_on_pairs(rm, pairs, soft_labels, train_cfg, reference=reference, on_step=on_step,
                                      on_epoch_end=on_epoch_end, start_epoch=start_epoch, optimizer_state=optimizer_state)
     sink.log(keys.training_summary(result, len(encoded), encoded.identical_after_truncation))
-    return StudentRun(result, len(encoded), encoded.identical_after_truncation, history)
+    return StudentRun(result, len(encoded), encoded.identical_after_truncation, history, last_scores[0])

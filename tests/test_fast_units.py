@@ -284,6 +284,34 @@ def test_main_job_settings_refuse_num_cpus_for_an_existing_cluster():
     assert MainJobSettings(num_cpus=2).num_cpus == 2
 
 
+@pytest.mark.timeout(60)
+def test_the_selected_checkpoint_is_registered_without_what_only_training_reads(tmp_path):
+    """The optimizer's state (twice the model's size), undelivered metrics and the validation scores stay in the
+    trial's checkpoint; the local copy that the registry stores and the service downloads is the model alone.
+    The validation scores come back to the caller."""
+    import json
+
+    from anchor_rm.mlflow_edge.writer import PENDING_FILE
+    from tuning.final import checkpoint_folder
+    from tuning.trainable import TRAINING_STATE, VALIDATION_SCORES
+
+    checkpoint = tmp_path / "checkpoint"
+    checkpoint.mkdir()
+    (checkpoint / "anchor_rm.json").write_text(json.dumps({"max_length": 64, "decoder": False, "base_model": "m"}))
+    (checkpoint / "model.safetensors").write_bytes(b"weights")
+    (checkpoint / TRAINING_STATE).write_bytes(b"adam moments")
+    (checkpoint / PENDING_FILE).write_text("{}")
+    score = {"accuracy": 61.0, "n_pairs": 300, "tie_rate": 0.0, "identical_after_truncation": 0, "correct": "10"}
+    (checkpoint / VALIDATION_SCORES).write_text(json.dumps({"hh-helpful": score}))
+    outcome = TrialOutcome("t", {"method": "naive"}, 1.0, 61.0, 2, str(checkpoint))
+    folder, scores = checkpoint_folder(outcome, tmp_path / "selected")
+    assert sorted(p.name for p in folder.iterdir()) == ["anchor_rm.json", "model.safetensors"]
+    assert scores["hh-helpful"].accuracy == 61.0 and scores["hh-helpful"].correct == "10"
+    assert (checkpoint / TRAINING_STATE).exists() and (checkpoint / VALIDATION_SCORES).exists()  # resume reads it
+    (checkpoint / VALIDATION_SCORES).unlink()  # a checkpoint written before the scores were kept
+    assert checkpoint_folder(outcome, tmp_path / "older")[1] is None
+
+
 def test_the_selection_summary_says_whether_the_winner_is_distinguishable_from_naive_w2s():
     from anchor_rm.report_files import _selection_lines
     from tuning.final import selection_summary

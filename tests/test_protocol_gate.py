@@ -74,3 +74,35 @@ def test_students_get_the_teachers_labels_raw_or_scaled_by_its_fitted_temperatur
     shared.teacher.outputs["calibration"] = {"ece": 0.1}  # a teacher stage from before the temperature existed
     with pytest.raises(ValueError, match="teacher run t has no fitted temperature"):
         shared.soft_labels("calibrated")
+
+
+@pytest.mark.timeout(60)
+def test_the_final_report_takes_the_validation_scores_training_measured_instead_of_scoring_again(monkeypatch):
+    from anchor_rm import experiment
+    from anchor_rm.workflow import scores_from_dict
+
+    teacher = _scores(hh_helpful=58.0, ultrafeedback=55.0, llmbar=45.0, pandalm=60.0)
+    shared = _shared(teacher, _scores(hh_helpful=66.0, ultrafeedback=61.0, llmbar=56.0, pandalm=62.0))
+    shared.data = StageRun("d", {"digests": {}}, False)
+    scored = []
+
+    def evaluate_model(rm, splits, split, batch_size, *, precision):
+        scored.append(split)
+        return scores_from_dict(_scores(hh_helpful=61.0, ultrafeedback=57.0, llmbar=50.0, pandalm=59.0))
+
+    monkeypatch.setattr(experiment, "evaluate_model", evaluate_model)
+    measured = scores_from_dict(_scores(hh_helpful=63.0, ultrafeedback=58.0, llmbar=51.0, pandalm=64.0))
+    info = {"name": "s", "student": "s", "teacher": "t", "method": "naive", "hyperparameters": {}, "run_id": None}
+    report = experiment.final_report(shared, None, info, 8, "fp32", validation_scores=measured)
+    assert scored == ["test"]  # the model is scored once, on the test splits
+    assert {r.dataset: r.student_accuracy for r in report.validation_splits} == {
+        "hh-helpful": 63.0, "ultrafeedback": 58.0, "llmbar": 51.0, "pandalm": 64.0}
+    assert report.id_split.student_accuracy == 61.0
+
+    scored.clear()
+    experiment.final_report(shared, None, info, 8, "fp32")  # none measured: validation is scored here
+    assert scored == ["val", "test"]
+    with pytest.raises(ValueError, match=r"validation scores for \['hh-helpful', 'ultrafeedback'\], but the validation "
+                                         r"sets are \['hh-helpful', 'llmbar', 'pandalm', 'ultrafeedback'\]"):
+        experiment.final_report(shared, None, info, 8, "fp32",
+                                validation_scores={k: measured[k] for k in ("hh-helpful", "ultrafeedback")})

@@ -16,29 +16,41 @@ from anchor_rm.metrics import difference_standard_error
 from anchor_rm.mlflow_edge import keys, runs
 from anchor_rm.mlflow_edge.registry import RegisteredVersion, log_and_register
 from anchor_rm.report import EvaluationReport
-from anchor_rm.workflow import export_sharded, load_saved
+from anchor_rm.mlflow_edge.writer import PENDING_FILE
+from anchor_rm.workflow import export_sharded, load_saved, scores_from_dict
 from tuning.search import SELECTION_RULE, TrialOutcome, best_trial, tied_with
+from tuning.trainable import TRAINING_STATE, VALIDATION_SCORES
 
 log = logging.getLogger("anchor_rm")
 
 
-def checkpoint_folder(outcome: TrialOutcome, into: Path) -> Path:
+def checkpoint_folder(outcome: TrialOutcome, into: Path) -> tuple[Path, dict | None]:
     """A trial's last checkpoint as a local, ordinary Hugging Face folder (works for local and remote Ray
-    storage; an FSDP2 trial's shards are read whole and written as one model, workflow.export_sharded)."""
+    storage; an FSDP2 trial's shards are read whole and written as one model, workflow.export_sharded), and the
+    scores on every validation set that the trial measured on that model (None in a checkpoint written before
+    they were kept). What only training reads (the optimizer's state, twice the model's size; the metrics not
+    yet delivered; those scores) is taken out of the local copy: the folder is what the registry stores and
+    the service downloads."""
     import ray.train
 
-    return export_sharded(ray.train.Checkpoint(outcome.checkpoint_path).to_directory(str(into)))
+    folder = export_sharded(ray.train.Checkpoint(outcome.checkpoint_path).to_directory(str(into)))
+    scores_file = folder / VALIDATION_SCORES
+    scores = scores_from_dict(json.loads(scores_file.read_text())) if scores_file.exists() else None
+    for name in (TRAINING_STATE, PENDING_FILE, VALIDATION_SCORES):
+        (folder / name).unlink(missing_ok=True)
+    return folder, scores
 
 
 def evaluate_outcome(shared: SharedStages, outcome: TrialOutcome, folder: Path, student: str, teacher: str,
                      eval_batch_size: int, train_config: dict, precision: str,
-                     selection: dict | None = None) -> EvaluationReport:
+                     selection: dict | None = None, validation_scores: dict | None = None) -> EvaluationReport:
     rm = load_saved(folder)
     method = outcome.config.get("method")
     info = {"name": f"{student} ({method})", "student": student, "teacher": teacher, "method": method,
             "hyperparameters": {**train_config, **{k: v for k, v in outcome.config.items() if v is not None}},
             "run_id": None}
-    return final_report(shared, rm, info, eval_batch_size, precision, selection_splits="val", selection=selection)
+    return final_report(shared, rm, info, eval_batch_size, precision, selection_splits="val", selection=selection,
+                        validation_scores=validation_scores)
 
 
 def _candidate(outcome: TrialOutcome) -> dict:
@@ -164,10 +176,10 @@ def register_selected(shared: SharedStages, cfg: ProtocolConfig, baselines: list
         for label, outcome in [(selected_label, selected)] + others:
             # the registered version's artifact folder is named after this one: "selected", as before
             folder = "selected" if outcome is selected else label.replace(" ", "_")
-            folders[label] = checkpoint_folder(outcome, Path(tmp) / folder)
+            folders[label], validation_scores = checkpoint_folder(outcome, Path(tmp) / folder)
             reports[label] = evaluate_outcome(shared, outcome, folders[label], cfg.student, cfg.teacher,
                                               cfg.eval_batch_size, train_dict, cfg.precision,
-                                              selection if outcome is selected else None)
+                                              selection if outcome is selected else None, validation_scores)
         report = reports[selected_label]
         report.model["run_id"] = final_run_id
         comparison = Path(tmp) / "comparison.md"

@@ -10,6 +10,7 @@ checkpoint keeps writing to the same run instead of opening a duplicate.
 from __future__ import annotations
 
 import contextlib
+import json
 import logging
 import math
 import os
@@ -25,6 +26,9 @@ from anchor_rm.splits import ProtocolSplits
 from tuning.space import METRIC, trial_method_config
 
 TRAINING_STATE = "training_state.pt"
+# In each checkpoint: the checkpointed model's scores on every validation set, measured after that epoch
+# (workflow.scores_to_dict). The final evaluation takes them instead of scoring the model on them again.
+VALIDATION_SCORES = "validation_scores.json"
 log = logging.getLogger("anchor_rm")
 
 # A function every worker calls after each training step, named by STEP_HOOK_ENV as
@@ -139,7 +143,7 @@ def _train_trial(payload: SharedPayload, config: dict, train_cfg, rm, device, ra
     from anchor_rm.mlflow_edge.writer import BufferedRunWriter
     from anchor_rm.sharded import save_sharded
     from anchor_rm.student import NoSink, Validation, train_student
-    from anchor_rm.workflow import frozen_reference, save_reward_model, scores_from_dict
+    from anchor_rm.workflow import frozen_reference, save_reward_model, scores_from_dict, scores_to_dict
 
     cfg, run_id = payload.cfg, config["mlflow_run_id"]
     rm.model.to(device).train()
@@ -167,7 +171,7 @@ def _train_trial(payload: SharedPayload, config: dict, train_cfg, rm, device, ra
         if step_hook is not None:
             step_hook(entry.step, rank)
 
-    def after_epoch(epoch: int, metrics: dict, opt_state: dict) -> None:
+    def after_epoch(epoch: int, metrics: dict, opt_state: dict, scores: dict | None) -> None:
         # This worker's peak resident memory so far, evaluation included (Linux: ru_maxrss in KiB).
         peak_rss_mb = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
         with tempfile.TemporaryDirectory() as tmp:
@@ -181,6 +185,8 @@ def _train_trial(payload: SharedPayload, config: dict, train_cfg, rm, device, ra
                 writer.add({**peak, "worker/tracking_blocked_s": writer.blocked_s}, epoch)
                 save_reward_model(rm, tmp, {"method": train_cfg.method, "teacher": cfg.teacher})
                 torch.save({"epoch": epoch, "optimizer_state": opt_state}, Path(tmp) / TRAINING_STATE)
+                if scores is not None:
+                    (Path(tmp) / VALIDATION_SCORES).write_text(json.dumps(scores_to_dict(scores)))
                 writer.checkpoint(tmp)  # one attempt to send; what the server did not take travels in the checkpoint
             tune_metrics = {METRIC: metrics.get("val/mean_nts", 0.0), "val_wrg": metrics.get("val/wrg", 0.0),
                             "val_id_acc": metrics.get(f"val/acc/{keys.metric_name(payload.splits.source)}", 0.0),
