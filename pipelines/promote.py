@@ -50,9 +50,10 @@ from _common import clean_errors, setup_logging  # noqa: E402
 
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--name", help="registered model name (default: anchor-rm-<category>, i.e. anchor-rm-helpful)")
-    p.add_argument("--category", choices=["helpful", "harmless"], default="helpful",
-                   help="picks the default --name: anchor-rm-helpful or anchor-rm-harmless")
+    p.add_argument("--name", help="registered model name (default: anchor-rm-<category>, i.e. anchor-rm-harmless, "
+                                  "what the default main job registers)")
+    p.add_argument("--category", choices=["helpful", "harmless"], default="harmless",
+                   help="picks the default --name: anchor-rm-harmless (default) or anchor-rm-helpful")
     p.add_argument("--version", help="the version to promote (default: the version holding the alias 'challenger', "
                                      "which pipelines/tune.py sets on every version it registers)")
     p.add_argument("--max-id-drop", type=float, default=2.0, metavar="POINTS",

@@ -20,7 +20,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _common import (  # noqa: E402
     SCALE_FIELDS, add_dry_run_argument, add_precision_argument, add_scale_arguments, add_teacher_labels_argument,
-    apply_shared_flags, clean_errors, memory_plan_or_dry_run, protocol_parser, setup_logging)
+    apply_shared_flags, category_of, clean_errors, memory_plan_or_dry_run, protocol_parser, setup_logging)
 
 log = logging.getLogger("anchor_rm")
 
@@ -64,7 +64,7 @@ def build_parser() -> argparse.ArgumentParser:
 def config_from_args(args):
     from anchor_rm.config import preset
 
-    cfg = preset(args.preset, args.category)
+    cfg = preset(args.preset, category_of(args))
     if args.source:
         cfg.source = args.source
     if args.targets:

@@ -23,7 +23,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from _common import (  # noqa: E402
     SCALE_FIELDS, add_dry_run_argument, add_precision_argument, add_scale_arguments, add_teacher_labels_argument,
-    apply_shared_flags, byte_size, clean_errors, memory_plan_or_dry_run, protocol_parser, setup_logging)
+    apply_shared_flags, byte_size, category_of, clean_errors, memory_plan_or_dry_run, protocol_parser, setup_logging)
 
 
 
@@ -86,7 +86,7 @@ def tune_config(args):
 
     student_train = {"epochs": args.epochs, "frozen_layers": args.frozen_layers, "teacher_labels": args.teacher_labels,
                      "strategy": args.strategy, **{name: getattr(args, name) for name in SCALE_FIELDS}}
-    return apply_shared_flags(tune_preset(args.preset, args.category), args, student_train)
+    return apply_shared_flags(tune_preset(args.preset, category_of(args)), args, student_train)
 
 
 def plan_device(use_gpu: str) -> str:

@@ -3,7 +3,7 @@ by ANCHOR_RM_* environment variables. The tracking and registry stores come from
 MLFLOW_TRACKING_URI / MLFLOW_REGISTRY_URI (unset: SQLite mlflow.db in the working directory).
 
     variable                        default                              what
-    ANCHOR_RM_MODEL_URI             models:/anchor-rm-helpful@champion   registry URI (alias or version), runs:/ URI or folder
+    ANCHOR_RM_MODEL_URI             models:/anchor-rm-harmless@champion   registry URI (alias or version), runs:/ URI or folder
     ANCHOR_RM_POLL_SECONDS          60                                   how often to check whether the alias moved; 0: never
     ANCHOR_RM_API_KEY               (unset)                              when set, every endpoint but /livez /healthz /readyz needs it
     ANCHOR_RM_HOST, ANCHOR_RM_PORT  127.0.0.1, 3000                      where `bentoml serve` binds unless --host/--port say otherwise

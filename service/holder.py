@@ -71,7 +71,7 @@ class ServedModel:
     """A loaded reward model and what the registry knows of it; immutable once loaded."""
 
     scorer: Any  # anchor_rm.scoring.RewardScorer
-    uri: str  # as configured, e.g. models:/anchor-rm-helpful@champion
+    uri: str  # as configured, e.g. models:/anchor-rm-harmless@champion
     resolved: str  # models:/NAME/VERSION, runs:/..., or the folder
     registered_name: str | None
     version: str | None

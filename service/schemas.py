@@ -10,7 +10,7 @@ from typing import Any, Sequence
 
 from pydantic import BaseModel, ConfigDict, Field
 
-DEFAULT_MODEL_URI = "models:/anchor-rm-helpful@champion"
+DEFAULT_MODEL_URI = "models:/anchor-rm-harmless@champion"
 TRUNCATION_POLICY = ("a pair over the model's max length loses prompt tokens from the left (oldest turns) "
                      "first; only a response that alone exceeds the budget is cut, at its end")
 # The settings behind each limit, named in error messages so that an operator knows what to raise.

@@ -4,7 +4,7 @@
 
 (75 s keep-alive: see service/config.py, `serve_command`.)
 
-It serves the model ANCHOR_RM_MODEL_URI names (default models:/anchor-rm-helpful@champion) with that
+It serves the model ANCHOR_RM_MODEL_URI names (default models:/anchor-rm-harmless@champion) with that
 version's report, and follows the alias when it moves. Settings: service/config.py. The logic lives in
 framework-free modules beside it (schemas.py: requests, responses and their limits; holder.py: the served
 model and its reloads; guard.py: the ASGI guard) and in anchor_rm (scoring, batching); this file is the

@@ -332,6 +332,32 @@ def test_the_selection_summary_says_whether_the_winner_is_distinguishable_from_n
     assert selection_summary(close, [close], None, [400])["distinguishable_from_naive"] is None
 
 
+@pytest.mark.timeout(60)
+def test_the_default_main_job_runs_harmless_and_what_follows_it_expects_that():
+    """The default preset runs harmless (helpful has no reliable weak-to-strong gap with MiniLM-L6: the gate stopped
+    the helpful default in fp32); smoke and paper stay helpful; promote.py and the service default to the name the
+    default main job registers."""
+    import sys
+
+    from anchor_rm.mlflow_edge.registry import default_model_name
+    from service.schemas import DEFAULT_MODEL_URI
+
+    from helpers import ROOT
+
+    sys.path.insert(0, str(ROOT / "pipelines"))
+    import promote
+    import train
+    import tune
+
+    assert tune.tune_config(tune.build_parser().parse_args([])).category == "harmless"
+    assert tune.tune_config(tune.build_parser().parse_args(["--preset", "smoke"])).category == "helpful"
+    assert tune.tune_config(tune.build_parser().parse_args(["--preset", "paper"])).category == "helpful"
+    assert tune.tune_config(tune.build_parser().parse_args(["--preset", "smoke", "--category", "harmless"])).category == "harmless"
+    assert train.category_of(train.build_parser().parse_args([])) == "harmless"
+    name = default_model_name(promote.build_parser().parse_args([]).category)
+    assert name == default_model_name("harmless") and DEFAULT_MODEL_URI == f"models:/{name}@champion"
+
+
 TOKEN_PROBE = """
 import json, os, sys
 sys.path.insert(0, sys.argv[1])

@@ -16,7 +16,7 @@ from anchor_rm.mlflow_edge import registry
 from anchor_rm.report import SplitResult, build_report
 from helpers import PYTHON, ROOT, register_version, run_pipeline, sqlite_store, tiny_model_folder
 
-NAME = registry.default_model_name("helpful")
+NAME = registry.default_model_name("harmless")  # promote.py's default name
 DIGESTS = {"hh-helpful-base/id_test": "a" * 64, "ultrafeedback/test": "b" * 64, "pandalm/test": "c" * 64,
            "hh-helpful-base/id_val": "e" * 64, "ultrafeedback/val": "f" * 64, "pandalm/val": "0" * 64}
 

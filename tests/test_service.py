@@ -111,7 +111,7 @@ def test_request_models_keep_inputs_out_of_error_messages():
 def test_settings_defaults_environment_and_file(tmp_path):
     defaults = load_settings({})
     assert defaults == Settings()
-    assert defaults.model_uri == "models:/anchor-rm-helpful@champion" and defaults.host == "127.0.0.1"
+    assert defaults.model_uri == "models:/anchor-rm-harmless@champion" and defaults.host == "127.0.0.1"
     assert defaults.poll_seconds == 60 and defaults.api_key is None and defaults.batching
     config = tmp_path / "serve.toml"
     config.write_text('model_uri = "models:/x/3"\npoll_seconds = 5\nmax_candidates = 8\n')

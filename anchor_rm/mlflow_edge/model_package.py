@@ -36,7 +36,7 @@ INPUT_EXAMPLE = pd.DataFrame(
 
 
 class RewardModelPyfunc(mlflow.pyfunc.PythonModel):
-    """`mlflow.pyfunc.load_model("models:/anchor-rm-helpful@champion").predict(df)` with columns prompt and
+    """`mlflow.pyfunc.load_model("models:/anchor-rm-harmless@champion").predict(df)` with columns prompt and
     response returns a reward per row (and whether the row was truncated to the model's max length)."""
 
     def load_context(self, context):
