@@ -1,7 +1,7 @@
 """The main job: the whole weak-to-strong protocol on Ray, tracked in MLflow, ending in a registered model.
 
-    python pipelines/tune.py                       # helpful, embedded default (15 min on 2 native-bf16 cores; README)
-    python pipelines/tune.py --category harmless   # the harmless protocol
+    python pipelines/tune.py                       # harmless, the embedded default (wall times per CPU: README)
+    python pipelines/tune.py --category helpful    # the helpful protocol (its gap gate may stop it: README)
     python pipelines/tune.py --preset smoke        # a few minutes; what the tests use
     python pipelines/tune.py --resume              # continue the latest interrupted experiment
     python pipelines/tune.py --ray-address 10.0.0.5:6379 --tracking-uri http://mlflow:5000
@@ -28,8 +28,8 @@ from _common import (  # noqa: E402
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = protocol_parser(__doc__, "default: the embedded default (15 min on 2 cores with native bf16, 66 on an "
-                                 "AVX2-only one: README, Precision and speed); smoke: tiny, a few minutes")
+    p = protocol_parser(__doc__, "default: the embedded default (wall times per CPU: README); smoke: tiny, a few "
+                                 "minutes")
     p.add_argument("--num-samples", type=int, help="ANCHOR configurations Optuna tries (default: preset's)")
     p.add_argument("--concurrency", type=int, default=1, help="trials running at once (default 1)")
     p.add_argument("--workers-per-trial", type=int, default=1, help="Ray Train workers (DDP processes) per trial")
