@@ -72,8 +72,8 @@ def train_student(
 ) -> StudentRun:
     """Trains `rm` in place on `pairs` (soft labels, or gold when None), logging each step's losses; after
     each epoch, measures it on `validation` (when given) and logs that with the epoch as step, then calls
-    `after_epoch(epoch, metrics, optimizer_state, scores)` (a checkpoint; scores None without validation). At the end, logs what training took.
-    `start_epoch` and `optimizer_state` continue from a checkpoint; the first step run again then carries
+    `after_epoch(epoch, metrics, optimizer_state, scores)` (a checkpoint; scores None without validation). At the
+    end, logs what training took. `start_epoch` and `optimizer_state` continue from a checkpoint; the first step run again then carries
     train/resumed_from_epoch, so that a step logged twice is explained by the metric beside it."""
     history: list[dict] = []
     last_scores: list[dict | None] = [None]
