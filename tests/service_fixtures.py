@@ -15,7 +15,7 @@ from anchor_rm.report import SplitResult, build_report
 from helpers import ROOT, free_port, register_version, sqlite_store, tiny_model_folder, wait_http
 from service.config import serve_command
 
-NAME = "anchor-rm-helpful"
+NAME = "anchor-rm-harmless"  # what the service serves and promote.py names by default
 KEY = "test-key-7f3a9c"
 SECRET_TEXT = "ZEBRA-QUOKKA-4471"  # sent in bodies; must never reach the server log
 MAX_LENGTH = 48

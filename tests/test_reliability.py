@@ -35,7 +35,7 @@ from helpers import (PYTHON, ROOT, free_port, ray_head, run_pipeline, start_mlfl
                      tiny_model_folder)
 from tuning.trainable import STEP_HOOK_ENV
 
-NAME = "anchor-rm-helpful"
+NAME = "anchor-rm-harmless"  # what the service serves and promote.py names by default
 
 
 @pytest.fixture
@@ -459,7 +459,7 @@ report = build_report({"name": "x", "student": "tiny-bert", "teacher": "tiny", "
                       rows, selection_splits="val", figure_splits="test",
                       data_digests={"hh-helpful-base/id_test": "a" * 64, "pandalm/test": "b" * 64})
 with mlflow.start_run():
-    registry.log_and_register(folder, report, "anchor-rm-helpful", registration_key=key)
+    registry.log_and_register(folder, report, "anchor-rm-harmless", registration_key=key)
 '''
 
 
