@@ -36,7 +36,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
-NAME = "anchor-rm-helpful"
+NAME = "anchor-rm-harmless"  # the name the service serves by default (ANCHOR_RM_MODEL_URI is not set)
 
 
 def parse_args(argv=None) -> argparse.Namespace:

@@ -34,7 +34,7 @@ sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "bench"))
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
-NAME = "anchor-rm-helpful"
+NAME = "anchor-rm-harmless"  # the name the service serves by default (ANCHOR_RM_MODEL_URI is not set)
 API_KEY = "load-test-key"
 BACKPRESSURE = {503}
 

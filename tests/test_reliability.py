@@ -36,6 +36,7 @@ from helpers import (PYTHON, ROOT, free_port, ray_head, run_pipeline, start_mlfl
 from tuning.trainable import STEP_HOOK_ENV
 
 NAME = "anchor-rm-harmless"  # what the service serves and promote.py names by default
+SMOKE_NAME = "anchor-rm-helpful"  # the experiment and model of tune.py --preset smoke (helpful)
 
 
 @pytest.fixture
@@ -274,7 +275,7 @@ def test_unwritable_artifact_location_is_one_line_and_exit_2(tmp_path, case, req
     db = tmp_path / "mlflow.db"
     store = f"sqlite:///{db}"
     client = MlflowClient(store, registry_uri=store)  # explicit: another test may have set a global registry
-    client.create_experiment(NAME, artifact_location=artifacts.as_uri())
+    client.create_experiment(SMOKE_NAME, artifact_location=artifacts.as_uri())
     result = run_pipeline("tune.py", "--preset", "smoke", "--tracking-uri", store, "--storage-path",
                           str(tmp_path / "ray"), cwd=tmp_path, timeout=600)
     assert result.returncode == 2, result.stderr[-3000:]
@@ -282,8 +283,8 @@ def test_unwritable_artifact_location_is_one_line_and_exit_2(tmp_path, case, req
     assert len(lines) == 1 and "Traceback" not in result.stderr, result.stderr[-3000:]
     assert str(artifacts) in lines[0], lines[0]
     assert ("Not a directory" if case == "not-a-directory" else "No space left on device") in lines[0], lines[0]
-    assert client.search_model_versions(f"name = '{NAME}'") == []
-    failed = client.search_runs([client.get_experiment_by_name(NAME).experiment_id])
+    assert client.search_model_versions(f"name = '{SMOKE_NAME}'") == []
+    failed = client.search_runs([client.get_experiment_by_name(SMOKE_NAME).experiment_id])
     assert failed and all(r.info.status == "FAILED" for r in failed)  # the stage run says it failed
 
 
