@@ -21,9 +21,10 @@ from anchor_rm.data import DataError, PreferencePair, ReadStats
 from anchor_rm.mlflow_edge.keys import EVALUATED_RUN_TAG, METHOD_TAG, MODEL_URI_TAG, STAGE_TAG, TEACHER_RUN_TAG
 from anchor_rm.mlflow_edge.model_package import ResolvedModel, resolve_model_uri
 from anchor_rm.models import ModelError
+from anchor_rm.ood_flag import FlaggedSet, measure_sets
 from anchor_rm.report import EVALUATION, EvaluationReport, SplitResult, build_report
 from anchor_rm.splits import CleanCounts, clean_pairs, subsample
-from anchor_rm.workflow import RewardModel, evaluate_pairs
+from anchor_rm.workflow import RewardModel, evaluate_pairs, evaluate_pairs_with_ood, flagged_set
 
 EVALUATION_EXPERIMENT = "anchor-rm-evaluations"
 WHOLE_SET = "all"  # the report's split for a data set scored as given, not a protocol split
@@ -78,19 +79,21 @@ def load_evaluation_set(name: str, *, prompt_column: str = "prompt", chosen_colu
 # Scoring and the report.
 
 def score_sets(student: RewardModel, sets: Sequence[EvaluationSet], *, teacher: RewardModel | None = None,
-               id_name: str | None = None, batch_size: int = 32, precision: str = "auto") -> list[SplitResult]:
+               id_name: str | None = None, batch_size: int = 32,
+               precision: str = "auto") -> tuple[list[SplitResult], list[FlaggedSet]]:
     """One report row per data set: the student's accuracy, the teacher's beside it when there is one.
-    `id_name` marks the in-distribution set (role "id"); every other set is "ood"."""
+    `id_name` marks the in-distribution set (role "id"); every other set is "ood". And where the student has an
+    OOD flag (anchor_rm/ood_flag.py), each set as the flag saw it, from the same pass (else an empty list)."""
     names = [s.name for s in sets]
     repeated = sorted({n for n in names if names.count(n) > 1})
     if repeated:
         raise ValueError(f"data sets must be distinct, repeated: {repeated}")
     if id_name is not None and id_name not in names:
         raise ValueError(f"the ID data set {id_name!r} is not among the data sets {names}")
-    rows = []
+    rows, flagged = [], []
     for s in sets:
         try:
-            scored = evaluate_pairs(student, s.pairs, batch_size, precision=precision)
+            scored, ood = evaluate_pairs_with_ood(student, s.pairs, batch_size, precision=precision)
             teacher_scored = (evaluate_pairs(teacher, s.pairs, batch_size, precision=precision)
                               if teacher is not None else None)
         except ValueError as exc:
@@ -100,14 +103,18 @@ def score_sets(student: RewardModel, sets: Sequence[EvaluationSet], *, teacher: 
             teacher_accuracy=None if teacher_scored is None else teacher_scored.accuracy,
             student_accuracy=scored.accuracy, ceiling_accuracy=None, student_tie_rate=scored.tie_rate,
         ))
-    return rows
+        if ood is not None:
+            flagged.append(flagged_set(s.name, rows[-1].role, scored, ood))
+    return rows, flagged
 
 
 def evaluation_report(model_info: dict[str, Any], rows: list[SplitResult], sets: Sequence[EvaluationSet],
-                      created_at: str | None = None) -> EvaluationReport:
-    """An "evaluation" report: whole data sets (split "all"), selection unknown, a digest per set."""
+                      created_at: str | None = None, ood_flag: dict[str, Any] | None = None) -> EvaluationReport:
+    """An "evaluation" report: whole data sets (split "all"), selection unknown, a digest per set; `ood_flag`:
+    the student's OOD flag on them (ood_flag.measure_sets)."""
     return build_report(model_info, rows, selection_splits="unknown", figure_splits=WHOLE_SET,
-                        data_digests={s.name: s.digest for s in sets}, created_at=created_at, kind=EVALUATION)
+                        data_digests={s.name: s.digest for s in sets}, created_at=created_at, kind=EVALUATION,
+                        ood_flag=ood_flag)
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -214,13 +221,15 @@ def evaluate_and_record(sets: Sequence[EvaluationSet], model_uri: str, *, teache
                 log.info("hint: the model was trained on %s; --id %s adds WRG and NTS", source, source)
             student_rm = load_saved(model.folder, max_length)
             teacher_rm = load_saved(teacher.folder, max_length) if teacher else None
-            rows = score_sets(student_rm, sets, teacher=teacher_rm, id_name=id_name, batch_size=batch_size,
-                              precision=precision)
+            rows, flagged = score_sets(student_rm, sets, teacher=teacher_rm, id_name=id_name, batch_size=batch_size,
+                                       precision=precision)
+            # Against the ID validation responses stored with the fit: any set's AUROC, with or without --id.
+            flag_block = measure_sets(student_rm.density, flagged) if flagged else None
 
         run_context = runs.start_run(experiment_id=experiment_id, run_name=f"evaluate {model.name}") if log_run \
             else nullcontext()
         with run_context as run_id:
-            report = evaluation_report(model_info(model, teacher, run_id, precision), rows, sets)
+            report = evaluation_report(model_info(model, teacher, run_id, precision), rows, sets, ood_flag=flag_block)
             paths = write_report(report, out)
             if run_id is not None:
                 runs.set_tags(run_tags(model, teacher))

@@ -16,6 +16,7 @@ import numpy as np
 from anchor_rm.catalog import dataset_digest, iter_dataset_pairs
 from anchor_rm.config import ProtocolConfig
 from anchor_rm.metrics import HeadlineChoice, apply_temperature, calibration, choose_headline_targets, fit_temperature
+from anchor_rm.ood_flag import measure_sets
 from anchor_rm.report import EvaluationReport, build_report
 from anchor_rm.mlflow_edge import keys, runs
 from anchor_rm.mlflow_edge.keys import cache_key
@@ -26,7 +27,10 @@ from anchor_rm.training import TrainConfig
 from anchor_rm.workflow import (
     RewardModel,
     evaluate_model,
+    evaluate_pairs_with_ood,
     evaluation_sets,
+    fit_ood_flag,
+    flagged_set,
     load_student,
     reference_states,
     scores_from_dict,
@@ -234,31 +238,42 @@ def prepare_shared(cfg: ProtocolConfig, experiment_id: str) -> SharedStages:
 
 def final_report(shared: SharedStages, rm: RewardModel, model_info: dict, eval_batch_size: int, precision: str,
                  selection_splits: str = "none", selection: dict | None = None,
-                 validation_scores: dict | None = None) -> EvaluationReport:
+                 validation_scores: dict | None = None, ood_flag: bool = False) -> EvaluationReport:
     """The student on every test split, beside the teacher (and ceiling), as a report; `precision` is the
     experiment's resolved precision (the teacher's test scores were taken in it too). The same on every
     validation split goes into the report's validation block: what promotion compares. `validation_scores`: this
     model's scores per validation set as its training measured them after its last epoch (StudentRun), taken
-    instead of scoring it on them again."""
+    instead of scoring it on them again. `ood_flag`: fit the OOD flag's density on student-train and its
+    threshold on ID validation (workflow.fit_ood_flag; set on `rm`, saved with it from then on) and measure it
+    on the test splits in the same pass that scores them."""
     model_info = {**model_info, "precision": precision}
-    rows = {}
+    splits = shared.splits
+    if ood_flag:
+        fit_ood_flag(rm, splits.student_train, splits.id_val, fit_split="student_train",
+                     threshold_split=f"{splits.source}/val", batch_size=eval_batch_size, precision=precision)
+    rows, flagged = {}, []
     for split in ("val", "test"):
         if split == "val" and validation_scores is not None:
-            expected = {name for name, _, _ in evaluation_sets(shared.splits, "val")}
+            expected = {name for name, _, _ in evaluation_sets(splits, "val")}
             if set(validation_scores) != expected:
                 raise ValueError(f"validation scores for {sorted(validation_scores)}, but the validation sets are "
                                  f"{sorted(expected)}")
             student = validation_scores
+        elif split == "test" and ood_flag:
+            student = {}
+            for name, role, pairs in evaluation_sets(splits, "test"):
+                student[name], ood = evaluate_pairs_with_ood(rm, pairs, eval_batch_size, precision=precision)
+                flagged.append(flagged_set(name, role, student[name], ood))
         else:
-            student = evaluate_model(rm, shared.splits, split, eval_batch_size, precision=precision)
-        rows[split] = split_results(shared.splits, split, student, shared.teacher_scores(split),
-                                    shared.ceiling_scores(split))
+            student = evaluate_model(rm, splits, split, eval_batch_size, precision=precision)
+        rows[split] = split_results(splits, split, student, shared.teacher_scores(split), shared.ceiling_scores(split))
     digests = {k: v for k, v in shared.data.outputs["digests"].items()}
     return build_report(model_info, rows["test"], selection_splits=selection_splits, figure_splits="test",
                         data_digests=digests, headline_targets=shared.headline_targets,
                         target_flags=shared.headline.flags, headline_note=shared.headline.note,
                         teacher_calibration=shared.teacher_calibration,
-                        validation_results=rows["val"], selection=selection)
+                        validation_results=rows["val"], selection=selection,
+                        ood_flag=measure_sets(rm.density, flagged, reference=flagged[0]) if ood_flag else None)
 
 
 def run_student(cfg: ProtocolConfig, shared: SharedStages, train_cfg: TrainConfig, run_name: str | None = None) -> tuple[str, EvaluationReport]:
@@ -286,7 +301,7 @@ def run_student(cfg: ProtocolConfig, shared: SharedStages, train_cfg: TrainConfi
         info = {"name": f"{cfg.student} ({train_cfg.method})", "student": cfg.student, "teacher": cfg.teacher,
                 "method": train_cfg.method, "hyperparameters": train_cfg.to_dict(), "run_id": run_id}
         report = final_report(shared, rm, info, cfg.eval_batch_size, cfg.precision,
-                              validation_scores=trained.validation_scores)
+                              validation_scores=trained.validation_scores, ood_flag=True)
         runs.log_report(report)
         runs.log_reward_model(rm, {"method": train_cfg.method, "teacher": cfg.teacher})
     return run_id, report

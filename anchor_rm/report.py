@@ -80,6 +80,9 @@ class EvaluationReport:
     # How tune.py chose this model among its trials (the rule, the winner's tie and its distance from naive
     # W2S on validation); None for a model no search selected.
     selection: dict[str, Any] | None = None
+    # The OOD flag the model serves with (ood_flag.measure_sets: its fit, and per set the share flagged,
+    # AUROC, accuracy on flagged and unflagged pairs); None for a model without one.
+    ood_flag: dict[str, Any] | None = None
 
     @property
     def validation(self) -> dict[str, Any] | None:
@@ -132,6 +135,7 @@ class EvaluationReport:
                                "wrg": self.validation["wrg"], "mean_nts": self.validation["mean_nts"]}}
                if self.validation_splits is not None else {}),
             **({"selection": dict(self.selection)} if self.selection is not None else {}),
+            **({"ood_flag": dict(self.ood_flag)} if self.ood_flag is not None else {}),
             "data_digests": dict(self.data_digests),
         }
         validate_report_dict(report_dict)
@@ -248,6 +252,7 @@ def _consistency_errors(report_dict: dict[str, Any]) -> list[str]:
     if flagged:
         return [f"target_flags: {flagged} are not OOD datasets of this report ({ood_names})"]
     errors += _validation_errors(report_dict, names, headline)
+    errors += _ood_flag_errors(report_dict.get("ood_flag"), rows)
     derived = _derive_metrics(rows, report_dict.get("kind", PROTOCOL), headline)
     for key in ("wrg", "mean_nts", "pgr"):
         stored, expected = report_dict[key], derived[key]
@@ -291,6 +296,23 @@ def _validation_errors(report_dict: dict[str, Any], figure_names: list[str], hea
     for key in ("wrg", "mean_nts"):
         if not math.isclose(block[key], derived[key], abs_tol=_DERIVED_TOLERANCE):
             errors.append(f"validation.{key}: stored {block[key]!r} but its splits give {derived[key]!r}")
+    return errors
+
+
+def _ood_flag_errors(block: dict[str, Any] | None, rows: list[dict[str, Any]]) -> list[str]:
+    """The flag's rows name the report's datasets, with their pair counts."""
+    if block is None:
+        return []
+    errors = []
+    by_name = {row["dataset"]: row for row in rows}
+    for index, flagged in enumerate(block["sets"]):
+        row = by_name.get(flagged["dataset"])
+        if row is None:
+            errors.append(f"ood_flag.sets[{index}].dataset: {flagged['dataset']!r} is not a dataset of this report "
+                          f"({sorted(by_name)})")
+        elif flagged["n_pairs"] != row["n_pairs"] or flagged["flagged_pairs"] > flagged["n_pairs"]:
+            errors.append(f"ood_flag.sets[{index}]: {flagged['flagged_pairs']} flagged of {flagged['n_pairs']} pairs, "
+                          f"but the report's {flagged['dataset']} row has {row['n_pairs']}")
     return errors
 
 
@@ -364,6 +386,7 @@ def build_report(
     target_flags: dict[str, str] | None = None,
     headline_note: str | None = None,
     teacher_calibration: dict[str, Any] | None = None,
+    ood_flag: dict[str, Any] | None = None,
 ) -> EvaluationReport:
     """Assemble a report and compute WRG, AOG, NTS, mean NTS and PGR (ID) from the rows.
 
@@ -371,7 +394,8 @@ def build_report(
     figures for what may select (promotion); the figures themselves stay on `figure_splits`. `selection`:
     how a search chose this model (tuning/final.py: selection_summary). `target_flags` and `headline_note`:
     why OOD targets are flagged (metrics.choose_headline_targets). `teacher_calibration`: the teacher's soft
-    labels against gold on ID validation (metrics.calibration).
+    labels against gold on ID validation (metrics.calibration). `ood_flag`: what the model's OOD flag does on
+    the figure splits (ood_flag.measure_sets).
 
     kind="protocol" (training, tuning): `results` holds exactly one row with role "id" and at least one
     "ood" row, all on `figure_splits`, each with a teacher accuracy. kind="evaluation" (any model on any
@@ -412,6 +436,7 @@ def build_report(
         target_flags=dict(target_flags or {}),
         headline_note=headline_note,
         teacher_calibration=None if teacher_calibration is None else dict(teacher_calibration),
+        ood_flag=None if ood_flag is None else dict(ood_flag),
         **derived,
     )
     report.to_dict()  # validates the whole report
@@ -461,6 +486,7 @@ def report_from_dict(report_dict: dict[str, Any]) -> EvaluationReport:
         target_flags=dict(report_dict.get("target_flags", {})),
         headline_note=report_dict.get("headline_note"),
         teacher_calibration=report_dict.get("teacher_calibration"),
+        ood_flag=report_dict.get("ood_flag"),
     )
 
 

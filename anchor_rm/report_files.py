@@ -13,6 +13,7 @@ import tempfile
 from pathlib import Path
 
 from anchor_rm.metrics import accuracy_standard_error, difference_standard_error
+from anchor_rm.ood_flag import block_markdown
 from anchor_rm.report import EVALUATION, PROTOCOL, REPORT_FILENAMES, EvaluationReport, SplitResult, report_from_dict
 
 
@@ -74,6 +75,8 @@ def report_to_markdown(report: EvaluationReport) -> str:
         "A gain's ± (WRG, AOG, NTS) treats student and teacher accuracies as independent, which overstates "
         "it for two models scored on the same pairs; NTS's ± leaves out the ID term.",
     ]
+    if report.ood_flag is not None:
+        lines += [""] + block_markdown(report.ood_flag)
     if report.data_digests:
         lines += ["", "Data (sha256):", ""]
         lines += [f"- `{name}`: `{digest}`" for name, digest in sorted(report.data_digests.items())]

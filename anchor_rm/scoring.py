@@ -104,6 +104,9 @@ def capture_hidden_states(model, indices: Sequence[int]):
 class ScoredTexts:
     rewards: np.ndarray  # float64, one per input
     truncated: np.ndarray  # bool, one per input
+    # The OOD flag (anchor_rm/ood_flag.py), one per input; None when the scorer has no fitted density.
+    ood_scores: np.ndarray | None = None
+    in_domain: np.ndarray | None = None
 
 
 # Called once per scored batch with (indices into the scored sequences, every layer's hidden states,
@@ -138,47 +141,86 @@ def fp32_reward_head(model):
         handle.remove()
 
 
+def pooled_representation(states: torch.Tensor, anchor_mask: torch.Tensor) -> torch.Tensor:
+    """(batch, d) fp32: each sequence's states averaged over its anchored positions (the response tokens and
+    the position the head reads): the representation the OOD flag's density describes."""
+    mask = anchor_mask.to(states.device, torch.float32).unsqueeze(-1)
+    return (states.float() * mask).sum(dim=1) / mask.sum(dim=1).clamp(min=1.0)
+
+
 class RewardScorer:
     """Scores (prompt, response) pairs with one reward model.
 
     `precision` (auto | fp32 | bf16, anchor_rm/precision.py): the forward pass runs under bf16 autocast where
     it resolves to bf16, about 2-2.5x faster on a CPU with native bf16; the reward head then still runs in
     fp32 (`fp32_reward_head`), so that bf16 rounding does not turn close rewards into ties.
+
+    `density` (anchor_rm/ood_flag.py): with a fitted one, `score` also returns each pair's ood score and
+    in-domain flag, from the same forward pass (the last layer's states, caught by a hook).
     """
 
     def __init__(self, model, encoder: RewardEncoder, batch_size: int = 32, precision: str = "auto",
-                 max_tokens: int | None = None):
+                 max_tokens: int | None = None, density=None):
         self.model = model
         self.encoder = encoder
         self.batch_size = batch_size
         self.max_tokens = max_tokens  # per forward pass, padded (length_sorted_batches); None: batch_size alone
         self.precision = check_precision(precision)
+        self.density = density  # ood_flag.DensityFit or None
 
     @torch.inference_mode()
-    def score_encoded(self, encoded: Sequence[EncodedText], hidden_states_hook: HiddenStatesHook | None = None) -> np.ndarray:
+    def _forward(self, encoded: Sequence[EncodedText], hidden_states_hook: HiddenStatesHook | None,
+                 with_features: bool) -> tuple[np.ndarray, np.ndarray | None]:
+        """Rewards, and (with_features) each sequence's pooled representation, in one pass over `encoded`."""
         was_training = self.model.training
         self.model.eval()
         rewards = np.zeros(len(encoded), dtype=np.float64)
+        features: np.ndarray | None = None
         device = next(self.model.parameters()).device
+        last = self.model.config.num_hidden_layers
         try:
             for batch_indices in length_sorted_batches([len(e.input_ids) for e in encoded], self.batch_size,
                                                        self.max_tokens):
                 batch = collate([encoded[i] for i in batch_indices], self.encoder.pad_token_id)
                 batch = {k: v.to(device) for k, v in batch.items()}
-                with autocast(self.precision, device.type), fp32_reward_head(self.model):
-                    output = reward_forward(self.model, batch, output_hidden_states=hidden_states_hook is not None)
+                every_layer = hidden_states_hook is not None
+                with autocast(self.precision, device.type), fp32_reward_head(self.model), \
+                        capture_hidden_states(self.model, [last] if with_features and not every_layer else []) as caught:
+                    output = reward_forward(self.model, batch, output_hidden_states=every_layer)
                 rewards[batch_indices] = output.logits[:, 0].float().cpu().numpy()
-                if hidden_states_hook is not None:
+                if with_features:
+                    pooled = pooled_representation(output.hidden_states[-1] if every_layer else caught[last],
+                                                   batch["anchor_mask"]).cpu().numpy()
+                    if features is None:
+                        features = np.zeros((len(encoded), pooled.shape[1]), dtype=np.float32)
+                    features[batch_indices] = pooled
+                if every_layer:
                     hidden_states_hook(batch_indices, output.hidden_states, batch["anchor_mask"])
         finally:
             self.model.train(was_training)
-        return rewards
+        return rewards, features
+
+    def score_encoded(self, encoded: Sequence[EncodedText], hidden_states_hook: HiddenStatesHook | None = None) -> np.ndarray:
+        return self._forward(encoded, hidden_states_hook, with_features=False)[0]
+
+    def rewards_and_ood(self, encoded: Sequence[EncodedText],
+                        hidden_states_hook: HiddenStatesHook | None = None) -> tuple[np.ndarray, np.ndarray | None]:
+        """Rewards and, where the scorer has a density, each sequence's ood score (else None)."""
+        rewards, features = self._forward(encoded, hidden_states_hook, with_features=self.density is not None)
+        return rewards, None if features is None else self.density.score(features)
+
+    def features(self, encoded: Sequence[EncodedText]) -> np.ndarray:
+        """(n, d) fp32: each sequence's pooled representation (what the OOD flag's density is fitted on)."""
+        features = self._forward(encoded, None, with_features=True)[1]
+        return np.zeros((0, self.model.config.hidden_size), np.float32) if features is None else features
 
     def score(self, prompts: Sequence[str], responses: Sequence[str]) -> ScoredTexts:
         if len(prompts) != len(responses):
             raise ValueError(f"{len(prompts)} prompts but {len(responses)} responses")
         encoded = [self.encoder.encode(p, r) for p, r in zip(prompts, responses)]
-        return ScoredTexts(self.score_encoded(encoded), np.array([e.truncated for e in encoded], dtype=bool))
+        rewards, ood = self.rewards_and_ood(encoded)
+        truncated = np.array([e.truncated for e in encoded], dtype=bool)
+        return ScoredTexts(rewards, truncated, ood, None if ood is None else self.density.in_domain(ood))
 
     def score_pairs(self, pairs: EncodedPairs, hidden_states_hook: HiddenStatesHook | None = None) -> tuple[np.ndarray, np.ndarray]:
         """Rewards of the chosen and of the rejected responses; the hook sees chosen + rejected indices."""

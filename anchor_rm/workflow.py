@@ -21,6 +21,7 @@ from anchor_rm.reference_cache import (ReferenceStates, choose_reference_cache, 
                                       default_budget_bytes, disk_free_bytes, estimate_reference_nbytes, storage_dtype)
 from anchor_rm.metrics import pairwise_accuracy, tie_rate
 from anchor_rm.models import SCORER_CONFIG, ModelSource, is_decoder, load_reward_model, load_tokenizer, resolve_model
+from anchor_rm.ood_flag import DensityFit, FlaggedSet, fit_density, load_density
 from anchor_rm.report import SplitResult
 from anchor_rm.scoring import EncodedPairs, HiddenStatesHook, RewardScorer, encode_pairs
 from anchor_rm.sharded import SHARDED_FOLDER, is_sharded, load_sharded
@@ -38,9 +39,13 @@ class RewardModel:
     tokenizer: object
     encoder: RewardEncoder
     name: str
+    density: DensityFit | None = None  # the OOD flag's fit (fit_ood_flag), saved and loaded with the model
 
-    def scorer(self, batch_size: int = 32, precision: str = "auto", max_tokens: int | None = None) -> RewardScorer:
-        return RewardScorer(self.model, self.encoder, batch_size, precision, max_tokens)
+    def scorer(self, batch_size: int = 32, precision: str = "auto", max_tokens: int | None = None,
+               ood_flag: bool = True) -> RewardScorer:
+        """`ood_flag`: score with the model's density, where it has one (False: rewards alone)."""
+        return RewardScorer(self.model, self.encoder, batch_size, precision, max_tokens,
+                            self.density if ood_flag else None)
 
     def encode(self, pairs: Sequence[PreferencePair]) -> EncodedPairs:
         return encode_pairs(self.encoder, pairs)
@@ -132,6 +137,8 @@ def save_reward_model(rm: RewardModel, folder: str | Path, extra: dict | None = 
     else:
         rm.model.save_pretrained(folder)
     rm.tokenizer.save_pretrained(folder)
+    if rm.density is not None:
+        rm.density.save(folder)
     (folder / SCORER_CONFIG).write_text(json.dumps(info, indent=2))
     return folder
 
@@ -161,7 +168,8 @@ def load_saved(folder: str | Path, max_length: int | None = None, *, adapters: b
         model = load_adapters(model, folder / info["lora"]["adapter"])
     else:
         model = load_reward_model(source, dropout=None).eval()
-    return RewardModel(model, tokenizer, RewardEncoder(tokenizer, int(length), is_decoder(model)), info.get("base_model", str(folder)))
+    return RewardModel(model, tokenizer, RewardEncoder(tokenizer, int(length), is_decoder(model)),
+                       info.get("base_model", str(folder)), load_density(folder))
 
 
 def export_sharded(folder: str | Path) -> Path:
@@ -234,13 +242,45 @@ class SplitScore:
 def evaluate_pairs(rm: RewardModel, pairs: Sequence[PreferencePair], batch_size: int = 32, *, precision: str = "auto",
                    hidden_states_hook: HiddenStatesHook | None = None) -> SplitScore:
     """Pairwise accuracy on `pairs`; the hook (see scoring) sees chosen + rejected sequences' states."""
+    return evaluate_pairs_with_ood(rm, pairs, batch_size, precision=precision, hidden_states_hook=hidden_states_hook,
+                                   ood_flag=False)[0]
+
+
+def evaluate_pairs_with_ood(rm: RewardModel, pairs: Sequence[PreferencePair], batch_size: int = 32, *,
+                            precision: str = "auto", hidden_states_hook: HiddenStatesHook | None = None,
+                            ood_flag: bool = True) -> tuple[SplitScore, tuple[np.ndarray, np.ndarray] | None]:
+    """`evaluate_pairs`, and where the model has an OOD flag's density (and `ood_flag`), the ood scores of the
+    chosen and of the rejected responses of the evaluated pairs, from the same forward pass."""
     encoded = rm.encode(pairs)
     if len(encoded) == 0:
         raise ValueError("no pair left to evaluate after truncation")
-    chosen, rejected = rm.scorer(batch_size, precision).score_pairs(encoded, hidden_states_hook)
+    rewards, ood = rm.scorer(batch_size, precision, ood_flag=ood_flag).rewards_and_ood(
+        encoded.chosen + encoded.rejected, hidden_states_hook)
+    chosen, rejected = rewards[: len(encoded)], rewards[len(encoded):]
     correct = "".join("1" if c > r else "0" for c, r in zip(chosen, rejected))
-    return SplitScore(pairwise_accuracy(chosen, rejected), len(encoded), tie_rate(chosen, rejected),
-                      encoded.identical_after_truncation, correct)
+    score = SplitScore(pairwise_accuracy(chosen, rejected), len(encoded), tie_rate(chosen, rejected),
+                       encoded.identical_after_truncation, correct)
+    return score, None if ood is None else (ood[: len(encoded)], ood[len(encoded):])
+
+
+def flagged_set(dataset: str, role: str, score: SplitScore, ood: tuple[np.ndarray, np.ndarray]) -> FlaggedSet:
+    """An evaluated set as the OOD flag's measurement takes it (ood_flag.measure_sets)."""
+    return FlaggedSet(dataset, role, np.array([c == "1" for c in score.correct], dtype=bool), ood[0], ood[1])
+
+
+def fit_ood_flag(rm: RewardModel, fit_pairs: Sequence[PreferencePair], threshold_pairs: Sequence[PreferencePair], *,
+                 fit_split: str, threshold_split: str, batch_size: int = 32, precision: str = "auto") -> DensityFit:
+    """The OOD flag's density of `rm`'s representation on both responses of `fit_pairs` (student-train), its
+    threshold from `threshold_pairs` (ID validation); set on `rm` (saved with it from then on) and returned."""
+    scorer = rm.scorer(batch_size, precision, ood_flag=False)
+    fit, threshold = rm.encode(fit_pairs), rm.encode(threshold_pairs)
+    rm.density = fit_density(scorer.features(fit.chosen + fit.rejected),
+                             scorer.features(threshold.chosen + threshold.rejected),
+                             fit_split=fit_split, threshold_split=threshold_split)
+    log.info("OOD flag: density of %d %s sequences (%d dimensions, shrinkage %.3f), threshold %.3f from %s",
+             rm.density.n_fit, fit_split, rm.density.dimensions, rm.density.shrinkage, rm.density.threshold,
+             threshold_split)
+    return rm.density
 
 
 def evaluation_sets(splits: ProtocolSplits, split: str) -> list[tuple[str, str, list[PreferencePair]]]:

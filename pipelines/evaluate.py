@@ -20,6 +20,10 @@ Teacher columns: when the model was logged by an anchor-rm training run, that ru
 (tag anchor_rm.teacher_run) and the teacher is scored on the same data, giving AOG per set; --teacher
 names one explicitly. WRG and NTS also need an in-distribution set: mark it with --id NAME.
 
+A model with an out-of-distribution flag (registered by tune.py or train.py) is measured on every set too: the
+share of responses it flags, the AUROC of its score against the ID validation responses stored with its fit,
+and the model's accuracy on flagged and unflagged pairs (the report's ood_flag, a table in the Markdown).
+
 The report goes to --out (default ./evaluation-<timestamp>/report.{json,md,png}), the Markdown is printed,
 and the whole evaluation is recorded as an MLflow run in the experiment anchor-rm-evaluations (unless
 --no-log). Bad input stops with one line starting with "error:" and exit status 2.

@@ -322,8 +322,8 @@ def test_score_sets_marks_the_id_set_and_matches_evaluate_pairs(tiny_bert, minil
     student = reward_model(tiny_bert(0), minilm_tokenizer, "s")
     teacher = reward_model(tiny_bert(1), minilm_tokenizer, "t")
     sets = [load_evaluation_set(str(write_pairs(tmp_path / "a.jsonl"))), load_evaluation_set("hhh-harmless")]
-    rows = score_sets(student, sets, teacher=teacher, id_name=sets[0].name)
-    assert [r.role for r in rows] == ["id", "ood"]
+    rows, flagged = score_sets(student, sets, teacher=teacher, id_name=sets[0].name)
+    assert [r.role for r in rows] == ["id", "ood"] and flagged == []  # no OOD flag fitted: none measured
     for row, s in zip(rows, sets):
         assert row.student_accuracy == evaluate_pairs(student, s.pairs).accuracy
         assert row.teacher_accuracy == evaluate_pairs(teacher, s.pairs).accuracy
@@ -334,6 +334,19 @@ def test_score_sets_marks_the_id_set_and_matches_evaluate_pairs(tiny_bert, minil
     assert read_report(tmp_path / "r") == report
     with pytest.raises(ValueError, match="'nope' is not among the data sets"):
         score_sets(student, sets, id_name="nope")
+
+    # With an OOD flag, the same pass measures it on every set, against the validation responses of its fit.
+    from anchor_rm.ood_flag import measure_sets
+    from anchor_rm.workflow import fit_ood_flag
+
+    fit_ood_flag(student, sets[0].pairs, sets[0].pairs[:10], fit_split="student_train", threshold_split="a/val")
+    flagged_rows, flagged = score_sets(student, sets, teacher=teacher, id_name=sets[0].name)
+    assert flagged_rows == rows and [f.dataset for f in flagged] == [s.name for s in sets]
+    block = measure_sets(student.density, flagged)
+    assert block["auroc_reference"] == "a/val (stored with the fit)" and all(r["auroc"] is not None for r in block["sets"])
+    report = evaluation_report(info, rows, sets, ood_flag=block)
+    write_report(report, tmp_path / "flagged")
+    assert read_report(tmp_path / "flagged").ood_flag["sets"][1]["dataset"] == "hhh-harmless"
 
 
 def test_reward_model_folder_reads_a_pyfunc_model(store, tmp_path):

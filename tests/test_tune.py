@@ -236,6 +236,12 @@ def test_tune_through_a_killed_worker_a_killed_driver_an_outage_and_a_failing_tr
             assert len(final) == 1 and final[0].info.run_id == version.run_id
             names = {a.path.split("/")[-1] for a in client.list_artifacts(version.run_id, "report")}
             assert {"report.json", "report.md", "report.png", "comparison.md", "nts_vs_lambda.png", "trials.json"} <= names
+            # Its OOD flag: fitted on student-train, measured on every test split against ID test.
+            report = json.loads(Path(client.download_artifacts(version.run_id, "report/report.json", str(tmp_path))).read_text())
+            flag = report["ood_flag"]
+            assert flag["fit_split"] == "student_train" and flag["threshold_split"].endswith("/val")
+            assert [r["dataset"] for r in flag["sets"]] == [row["dataset"] for row in report["splits"]]
+            assert flag["sets"][0]["auroc"] is None and all(0 <= r["auroc"] <= 1 for r in flag["sets"][1:])
 
             # 5. Promote (smoke models learn from 48 pairs: the ID gate is the promotion tests' business) and load.
             promoted = run_pipeline("promote.py", "--name", NAME, "--max-id-drop", "100", "--tracking-uri", uri,
@@ -248,7 +254,7 @@ def test_tune_through_a_killed_worker_a_killed_driver_an_outage_and_a_failing_tr
             frame = pd.DataFrame({"prompt": ["How do I bake bread?"] * 2,
                                   "response": ["Mix flour, water, yeast and salt, let it rise, then bake.", "No."]})
             scored = model.predict(frame)
-            assert list(scored.columns) == ["reward", "truncated"] and len(scored) == 2
+            assert list(scored.columns) == ["reward", "truncated", "ood_score", "in_domain"] and len(scored) == 2
             assert scored["reward"].notna().all()
 
             # 6. --resume of the finished experiment redoes nothing: no trial trains (metric histories and

@@ -43,14 +43,21 @@ def checkpoint_folder(outcome: TrialOutcome, into: Path) -> tuple[Path, dict | N
 
 def evaluate_outcome(shared: SharedStages, outcome: TrialOutcome, folder: Path, student: str, teacher: str,
                      eval_batch_size: int, train_config: dict, precision: str,
-                     selection: dict | None = None, validation_scores: dict | None = None) -> EvaluationReport:
+                     selection: dict | None = None, validation_scores: dict | None = None,
+                     ood_flag: bool = False) -> EvaluationReport:
+    """The model in `folder` on the test splits (experiment.final_report). `ood_flag`: fit its OOD flag too and
+    save the fit into `folder`, which then serves with it (the registered model; the baselines' reports skip
+    it, about 20 s each on 2 cores)."""
     rm = load_saved(folder)
     method = outcome.config.get("method")
     info = {"name": f"{student} ({method})", "student": student, "teacher": teacher, "method": method,
             "hyperparameters": {**train_config, **{k: v for k, v in outcome.config.items() if v is not None}},
             "run_id": None}
-    return final_report(shared, rm, info, eval_batch_size, precision, selection_splits="val", selection=selection,
-                        validation_scores=validation_scores)
+    report = final_report(shared, rm, info, eval_batch_size, precision, selection_splits="val", selection=selection,
+                          validation_scores=validation_scores, ood_flag=ood_flag)
+    if rm.density is not None:
+        rm.density.save(folder)
+    return report
 
 
 def _candidate(outcome: TrialOutcome) -> dict:
@@ -179,7 +186,8 @@ def register_selected(shared: SharedStages, cfg: ProtocolConfig, baselines: list
             folders[label], validation_scores = checkpoint_folder(outcome, Path(tmp) / folder)
             reports[label] = evaluate_outcome(shared, outcome, folders[label], cfg.student, cfg.teacher,
                                               cfg.eval_batch_size, train_dict, cfg.precision,
-                                              selection if outcome is selected else None, validation_scores)
+                                              selection if outcome is selected else None, validation_scores,
+                                              ood_flag=outcome is selected)
         report = reports[selected_label]
         report.model["run_id"] = final_run_id
         comparison = Path(tmp) / "comparison.md"

@@ -28,7 +28,8 @@ MODEL_FORMS = "models:/NAME@ALIAS, models:/NAME/VERSION, runs:/RUN_ID/PATH or a 
 
 SIGNATURE = ModelSignature(
     inputs=Schema([ColSpec("string", "prompt"), ColSpec("string", "response")]),
-    outputs=Schema([ColSpec("double", "reward"), ColSpec("boolean", "truncated")]),
+    outputs=Schema([ColSpec("double", "reward"), ColSpec("boolean", "truncated"),
+                    ColSpec("double", "ood_score", required=False), ColSpec("boolean", "in_domain", required=False)]),
 )
 INPUT_EXAMPLE = pd.DataFrame(
     {"prompt": ["How do I boil an egg?"], "response": ["Put it in boiling water for 8 to 10 minutes."]}
@@ -37,7 +38,8 @@ INPUT_EXAMPLE = pd.DataFrame(
 
 class RewardModelPyfunc(mlflow.pyfunc.PythonModel):
     """`mlflow.pyfunc.load_model("models:/anchor-rm-harmless@champion").predict(df)` with columns prompt and
-    response returns a reward per row (and whether the row was truncated to the model's max length)."""
+    response returns a reward per row (and whether the row was truncated to the model's max length), and where the
+    version has an OOD flag (anchor_rm/ood_flag.py), its ood_score and in_domain."""
 
     def load_context(self, context):
         from anchor_rm.workflow import load_saved
@@ -50,7 +52,8 @@ class RewardModelPyfunc(mlflow.pyfunc.PythonModel):
         if missing:
             raise ValueError(f"input DataFrame needs the columns prompt and response; missing {sorted(missing)}")
         scored = self.scorer.score(model_input["prompt"].astype(str).tolist(), model_input["response"].astype(str).tolist())
-        return pd.DataFrame({"reward": scored.rewards, "truncated": scored.truncated})
+        flag = {} if scored.ood_scores is None else {"ood_score": scored.ood_scores, "in_domain": scored.in_domain}
+        return pd.DataFrame({"reward": scored.rewards, "truncated": scored.truncated, **flag})
 
 
 def requirements() -> list[str]:
