@@ -24,9 +24,10 @@ from typing import Callable, Generic, Sequence, TypeVar
 
 Result = TypeVar("Result")
 
-# score(prompts, responses) -> (rewards, truncated flags, what scored them): rewards and flags have one
-# entry per pair; the third value (the model's reference) is handed to every request of the batch.
-ScoreFunction = Callable[[list[str], list[str]], tuple[Sequence[float], Sequence[bool], Result]]
+# score(prompts, responses) -> (per-pair columns..., what scored them): each column (rewards, truncated flags,
+# the service's OOD flag) has one entry per pair and each request gets its slice of every column; the last
+# value (the model's reference) is handed to every request of the batch.
+ScoreFunction = Callable[[list[str], list[str]], tuple]
 
 
 class QueueTimeout(RuntimeError):
@@ -70,8 +71,9 @@ class ScoreBatcher(Generic[Result]):
         """Stop the scoring thread once the batch in hand is done."""
         self._thread.shutdown(wait=True, cancel_futures=True)
 
-    async def score(self, prompts: Sequence[str], responses: Sequence[str]) -> tuple[list[float], list[bool], Result]:
-        """Rewards and truncated flags for these pairs, and what scored them; waits for its batch."""
+    async def score(self, prompts: Sequence[str], responses: Sequence[str]) -> tuple:
+        """(each column's entries for these pairs (rewards, truncated flags, ...), what scored them); waits for
+        its batch."""
         if len(prompts) != len(responses):
             raise ValueError(f"{len(prompts)} prompts but {len(responses)} responses")
         loop = asyncio.get_running_loop()
@@ -115,7 +117,7 @@ class ScoreBatcher(Generic[Result]):
             prompts = [p for job in jobs for p in job.prompts]
             responses = [r for job in jobs for r in job.responses]
             try:
-                rewards, truncated, scored_by = await asyncio.get_running_loop().run_in_executor(
+                *columns, scored_by = await asyncio.get_running_loop().run_in_executor(
                     self._thread, self._score, prompts, responses)
             except Exception as exc:  # every request of the batch gets the error; the batcher goes on
                 for job in jobs:
@@ -132,6 +134,5 @@ class ScoreBatcher(Generic[Result]):
             for job in jobs:
                 end = start + len(job.prompts)
                 if not job.future.done():
-                    job.future.set_result(([float(r) for r in rewards[start:end]],
-                                           [bool(t) for t in truncated[start:end]], scored_by))
+                    job.future.set_result((*[list(column[start:end]) for column in columns], scored_by))
                 start = end

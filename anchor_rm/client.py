@@ -4,11 +4,13 @@ built on it.
     from anchor_rm.client import RewardClient
     client = RewardClient("http://127.0.0.1:3000", api_key="...")
     client.score([("How do I boil an egg?", "Boil it for 8 to 10 minutes.")])   # -> [rewards]
+    client.score_details(pairs)   # -> Scores: rewards, ood_score, in_domain, truncated, model
     client.best_of_n("How do I boil an egg?", ["Microwave it.", "Boil it."])    # -> BestOfN
     client.compare(prompt, response_a, response_b)                                # -> P(a preferred)
 
     from anchor_rm.client import TRLRewardFunction
     GRPOTrainer(..., reward_funcs=TRLRewardFunction(client))
+    TRLRewardFunction(client, on_scores=lambda s: log({"rm/in_domain": mean(s.in_domain)}))  # the OOD flag
 
 Retries: a 503 (the model is loading, or the service is overloaded; its Retry-After is honoured, within
 `max_backoff`) and a connection error are tried again, up to `retries` times with exponential backoff. Any
@@ -20,7 +22,7 @@ from __future__ import annotations
 import asyncio
 import time
 from dataclasses import dataclass
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 import httpx
 
@@ -43,6 +45,33 @@ class BestOfN:
     ranking: list[int]  # candidate indices, best first
     best_index: int
     model: dict  # {"name", "version"} of the model that scored
+    # The OOD flag per candidate (anchor_rm/ood_flag.py); None entries where the service serves without one.
+    ood_score: list[float | None] | None = None
+    in_domain: list[bool | None] | None = None
+
+
+@dataclass(frozen=True)
+class Scores:
+    """/score's whole answer: per pair the reward, the OOD flag (ood_score, and in_domain: false where the pair
+    is unlike the model's training data; None where the service serves without a flag) and whether it was
+    truncated, and the version that scored."""
+
+    rewards: list[float]
+    ood_score: list[float | None]
+    in_domain: list[bool | None]
+    truncated: list[bool]
+    model: dict
+
+
+def _scores(answer: dict) -> Scores:
+    n = len(answer["rewards"])
+    return Scores(answer["rewards"], answer.get("ood_score", [None] * n), answer.get("in_domain", [None] * n),
+                  answer["truncated"], answer["model"])
+
+
+def _best_of_n(answer: dict) -> BestOfN:
+    return BestOfN(answer["rewards"], answer["ranking"], answer["best_index"], answer["model"],
+                   answer.get("ood_score"), answer.get("in_domain"))
 
 
 def _headers(api_key: str | None) -> dict[str, str]:
@@ -110,9 +139,12 @@ class RewardClient:
         """One reward per (prompt, response) pair, in order."""
         return self._post("/score", _pairs_body(pairs))["rewards"]
 
+    def score_details(self, pairs: Sequence[tuple[str, str]]) -> Scores:
+        """Rewards with the OOD flag, truncation and the scoring version, one entry per pair."""
+        return _scores(self._post("/score", _pairs_body(pairs)))
+
     def best_of_n(self, prompt: str, candidates: Sequence[str]) -> BestOfN:
-        answer = self._post("/best_of_n", {"prompt": prompt, "candidates": list(candidates)})
-        return BestOfN(answer["rewards"], answer["ranking"], answer["best_index"], answer["model"])
+        return _best_of_n(self._post("/best_of_n", {"prompt": prompt, "candidates": list(candidates)}))
 
     def compare(self, prompt: str, response_a: str, response_b: str) -> float:
         """P(response_a preferred over response_b)."""
@@ -152,9 +184,11 @@ class AsyncRewardClient:
     async def score(self, pairs: Sequence[tuple[str, str]]) -> list[float]:
         return (await self._post("/score", _pairs_body(pairs)))["rewards"]
 
+    async def score_details(self, pairs: Sequence[tuple[str, str]]) -> Scores:
+        return _scores(await self._post("/score", _pairs_body(pairs)))
+
     async def best_of_n(self, prompt: str, candidates: Sequence[str]) -> BestOfN:
-        answer = await self._post("/best_of_n", {"prompt": prompt, "candidates": list(candidates)})
-        return BestOfN(answer["rewards"], answer["ranking"], answer["best_index"], answer["model"])
+        return _best_of_n(await self._post("/best_of_n", {"prompt": prompt, "candidates": list(candidates)}))
 
     async def compare(self, prompt: str, response_a: str, response_b: str) -> float:
         return (await self._post("/compare", {"prompt": prompt, "response_a": response_a,
@@ -176,19 +210,29 @@ class TRLRewardFunction:
 
     Plain text: each (prompt, completion) is one pair. Conversational data (lists of {"role", "content"}
     messages): the prompt's messages plus the completion's assistant message are turned into a pair as
-    the service's /classify does (anchor_rm.scoring.conversation_to_pair)."""
+    the service's /classify does (anchor_rm.scoring.conversation_to_pair).
 
-    def __init__(self, client: RewardClient, batch_size: int = 64):
+    The OOD flag comes through `on_scores`, called once per call with the `Scores` of every completion (rewards,
+    ood_score, in_domain, ...), and `last_scores`: e.g. log the share of completions the reward model calls
+    out of domain, and watch it grow as the policy drifts from what the reward model knows."""
+
+    def __init__(self, client: RewardClient, batch_size: int = 64, on_scores: Callable[[Scores], None] | None = None):
         self.client = client
         self.batch_size = batch_size
+        self.on_scores = on_scores
+        self.last_scores: Scores | None = None
         self.__name__ = "anchor_rm_reward"  # TRL names the reward's logged metrics after the function
 
     def __call__(self, prompts: Sequence[Any], completions: Sequence[Any], **_columns) -> list[float]:
         pairs = [_pair(p, c) for p, c in zip(prompts, completions)]
-        rewards: list[float] = []
-        for start in range(0, len(pairs), self.batch_size):
-            rewards += self.client.score(pairs[start:start + self.batch_size])
-        return rewards
+        parts = [self.client.score_details(pairs[start:start + self.batch_size])
+                 for start in range(0, len(pairs), self.batch_size)]
+        self.last_scores = Scores([r for p in parts for r in p.rewards], [s for p in parts for s in p.ood_score],
+                                  [d for p in parts for d in p.in_domain], [t for p in parts for t in p.truncated],
+                                  parts[-1].model if parts else {})
+        if self.on_scores is not None:
+            self.on_scores(self.last_scores)
+        return self.last_scores.rewards
 
 
 def _pair(prompt: Any, completion: Any) -> tuple[str, str]:

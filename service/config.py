@@ -25,6 +25,9 @@ MLFLOW_TRACKING_URI / MLFLOW_REGISTRY_URI (unset: SQLite mlflow.db in the workin
                                                                          hardware with native bf16), fp32 or bf16
     ANCHOR_RM_DEVICE                auto                                 where the model scores: auto (the first CUDA GPU
                                                                          when torch sees one, else the CPU), cpu, cuda, cuda:N
+    ANCHOR_RM_OOD_FLAG              1                                    each scored pair's ood_score and in_domain, from the
+                                                                         version's fitted density (anchor_rm/ood_flag.py);
+                                                                         0: rewards alone (the fields are null)
 
 The file uses the same names in lower case without the prefix (model_uri = "...", poll_seconds = 30). The
 API key is read from the environment only: keep secrets out of files that get committed.
@@ -94,6 +97,7 @@ class Settings:
     download_dir: str | None = None
     precision: str = "auto"
     device: str = "auto"
+    ood_flag: bool = True
 
     def limits(self) -> ServingLimits:
         return ServingLimits(self.max_items, self.max_candidates, self.max_text_bytes)
@@ -124,7 +128,7 @@ def _parse(name: str, source: str, raw: object) -> object:
             raise SettingsError(f"{source}={raw!r}: expected a {'positive' if name == 'timeout_seconds' else 'non-negative'} "
                                 "number of seconds")
         return value
-    if name == "batching":
+    if name in ("batching", "ood_flag"):
         text = str(raw).strip().lower()
         if text in ("1", "true", "yes", "on"):
             return True

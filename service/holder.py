@@ -84,6 +84,7 @@ class ServedModel:
     base_model: str
     loaded_at: str
     folder: Path | None = None  # where the files were downloaded; removed when the model is retired
+    ood_flag_fitted: bool = False  # the version carries an OOD flag's density (used or not: scorer.density)
 
     @property
     def ref(self) -> ModelRef:
@@ -105,16 +106,25 @@ class ServedModel:
             "headline_metrics": self.headline, "has_report": self.report is not None,
             "report_error": self.report_error, "base_model": self.base_model, "max_length": self.max_length,
             "precision": self.scorer.precision, "device": str(next(self.scorer.model.parameters()).device),
-            "truncation_policy": TRUNCATION_POLICY, "loaded_at": self.loaded_at,
+            "truncation_policy": TRUNCATION_POLICY, "loaded_at": self.loaded_at, "ood_flag": self.ood_flag_info(),
         }
+
+    def ood_flag_info(self) -> dict[str, Any]:
+        """Whether responses carry the OOD flag, and if so its fit and threshold (ood_flag.DensityFit.describe)."""
+        if self.scorer.density is not None:
+            return {"enabled": True, **self.scorer.density.describe()}
+        reason = ("turned off (ANCHOR_RM_OOD_FLAG=0)" if self.ood_flag_fitted else
+                  "this version carries no fitted density (registered before the flag existed)")
+        return {"enabled": False, "reason": reason}
 
 
 def load_served_model(uri: str, download_dir: str | Path, batch_size: int = 32, precision: str = "auto",
-                      device: str = "auto", max_tokens: int | None = None) -> ServedModel:
+                      device: str = "auto", max_tokens: int | None = None, ood_flag: bool = True) -> ServedModel:
     """Resolve `uri` (anchor_rm.evaluation.resolve_model_uri: registry, run or folder), load the reward model and
     its tokenizer (workflow.load_saved) onto `device` (auto: the first CUDA GPU torch sees, else the CPU), read
     its report and headline figures. `precision` (auto | fp32 | bf16) is resolved here for that device, once
-    per process, so that /model says what scores."""
+    per process, so that /model says what scores. `ood_flag`: score with the version's OOD flag, where it has
+    one (anchor_rm/ood_flag.py)."""
     import torch
 
     from anchor_rm.mlflow_edge import registry
@@ -141,12 +151,12 @@ def load_served_model(uri: str, download_dir: str | Path, batch_size: int = 32, 
         tags = registry.version_tags(resolved.registered_name, resolved.version)
     report, report_error = _load_report(resolved.folder, resolved.registered_name, resolved.version)
     return ServedModel(
-        scorer=reward_model.scorer(batch_size, precision, max_tokens), uri=uri, resolved=resolved.name,
+        scorer=reward_model.scorer(batch_size, precision, max_tokens, ood_flag=ood_flag), uri=uri, resolved=resolved.name,
         registered_name=resolved.registered_name, version=resolved.version,
         alias=parsed[1] if parsed else None, run_id=resolved.run_id, headline=headline_metrics(tags),
         report=report, report_error=report_error, max_length=reward_model.encoder.max_length,
         base_model=reward_model.name, loaded_at=datetime.now(timezone.utc).isoformat(timespec="seconds"),
-        folder=Path(download_dir),
+        folder=Path(download_dir), ood_flag_fitted=reward_model.density is not None,
     )
 
 

@@ -98,19 +98,32 @@ def _usage(tokens: Sequence[int]) -> dict[str, Any]:
     return {"prompt_tokens": total, "total_tokens": total, "completion_tokens": 0, "prompt_tokens_details": None}
 
 
-def classify_response(model_id: str, rewards: Sequence[float], tokens: Sequence[int], activation: bool) -> dict:
-    """vLLM's ClassificationResponse: verl reads data[-1]["probs"][-1]."""
+def _flag(ood_score: Sequence[float | None] | None, in_domain: Sequence[bool | None] | None, i: int) -> dict:
+    """The OOD flag's two fields for item i, added to each item of a protocol's answer (clients of these
+    protocols read the fields they know and ignore the rest)."""
+    if ood_score is None or in_domain is None:
+        return {}
+    return {"ood_score": ood_score[i], "in_domain": in_domain[i]}
+
+
+def classify_response(model_id: str, rewards: Sequence[float], tokens: Sequence[int], activation: bool,
+                      ood_score: Sequence[float | None] | None = None,
+                      in_domain: Sequence[bool | None] | None = None) -> dict:
+    """vLLM's ClassificationResponse: verl reads data[-1]["probs"][-1]; each item also carries the OOD flag."""
     return {"id": f"classify-{uuid.uuid4().hex}", "object": "list", "created": int(time.time()), "model": model_id,
-            "data": [{"index": i, "label": "reward", "probs": [sigmoid(r) if activation else float(r)], "num_classes": 1}
-                     for i, r in enumerate(rewards)],
+            "data": [{"index": i, "label": "reward", "probs": [sigmoid(r) if activation else float(r)], "num_classes": 1,
+                      **_flag(ood_score, in_domain, i)} for i, r in enumerate(rewards)],
             "usage": _usage(tokens)}
 
 
-def pooling_response(model_id: str, rewards: Sequence[float], tokens: Sequence[int], activation: bool) -> dict:
-    """vLLM's PoolingResponse: one pooled value per input, the reward (sigmoid of it with activation)."""
+def pooling_response(model_id: str, rewards: Sequence[float], tokens: Sequence[int], activation: bool,
+                     ood_score: Sequence[float | None] | None = None,
+                     in_domain: Sequence[bool | None] | None = None) -> dict:
+    """vLLM's PoolingResponse: one pooled value per input, the reward (sigmoid of it with activation); each item
+    also carries the OOD flag."""
     return {"id": f"pool-{uuid.uuid4().hex}", "object": "list", "created": int(time.time()), "model": model_id,
-            "data": [{"index": i, "object": "pooling", "data": [sigmoid(r) if activation else float(r)]}
-                     for i, r in enumerate(rewards)],
+            "data": [{"index": i, "object": "pooling", "data": [sigmoid(r) if activation else float(r)],
+                      **_flag(ood_score, in_domain, i)} for i, r in enumerate(rewards)],
             "usage": _usage(tokens)}
 
 
@@ -186,16 +199,18 @@ def rerank_candidates(request: RerankRequest, limits: ServingLimits) -> Rerank:
 
 
 def rerank_response(request: RerankRequest, rerank: Rerank, rewards: Sequence[float], model_id: str,
-                    tokens: Sequence[int]) -> dict | list:
-    """Best first (ties: request order), at most top_n."""
+                    tokens: Sequence[int], ood_score: Sequence[float | None] | None = None,
+                    in_domain: Sequence[bool | None] | None = None) -> dict | list:
+    """Best first (ties: request order), at most top_n; each result carries the OOD flag."""
     order = rank(rewards)[: request.top_n or len(rewards)]
     score = (lambda r: float(r)) if request.raw_scores else sigmoid
     if rerank.tei:
-        return [{"index": i, "score": score(rewards[i]), **({"text": rerank.documents[i]} if request.return_text else {})}
-                for i in order]
+        return [{"index": i, "score": score(rewards[i]), **({"text": rerank.documents[i]} if request.return_text else {}),
+                 **_flag(ood_score, in_domain, i)} for i in order]
     with_text = request.return_documents is not False
     return {"id": uuid.uuid4().hex, "model": model_id,
             "results": [{"index": i, "relevance_score": score(rewards[i]),
-                         **({"document": {"text": rerank.documents[i]}} if with_text else {})} for i in order],
+                         **({"document": {"text": rerank.documents[i]}} if with_text else {}),
+                         **_flag(ood_score, in_domain, i)} for i in order],
             "meta": {"billed_units": {"search_units": 1}},
             "usage": {"prompt_tokens": int(sum(tokens)), "total_tokens": int(sum(tokens))}}

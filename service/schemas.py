@@ -91,9 +91,19 @@ class ModelRef(BaseModel):
     version: str | None = Field(description="Registered version; null for a folder or run URI.")
 
 
+OOD_SCORE_DOC = ("How unlike the model's training data (student-train) the pair's representation is: squared "
+                 "Mahalanobis distance per dimension, about 1 in domain (anchor_rm/ood_flag.py). null when the "
+                 "version has no fitted flag or ANCHOR_RM_OOD_FLAG=0.")
+IN_DOMAIN_DOC = ("ood_score at most the version's threshold (GET /model: ood_flag.threshold, the 95th percentile "
+                 "on ID validation). false says the pair is unlike the training data, not that its reward is "
+                 "wrong; null as for ood_score.")
+
+
 class ScoreResponse(BaseModel):
     rewards: list[float] = Field(description="One reward per item, in request order.")
     truncated: list[bool] = Field(description="Whether the pair was cut to the model's max length.")
+    ood_score: list[float | None] = Field(description="Per item: " + OOD_SCORE_DOC)
+    in_domain: list[bool | None] = Field(description="Per item: " + IN_DOMAIN_DOC)
     model: ModelRef
 
 
@@ -102,6 +112,8 @@ class BestOfNResponse(BaseModel):
     ranking: list[int] = Field(description="Candidate indices, best first (ties: lower index first).")
     best_index: int
     truncated: list[bool]
+    ood_score: list[float | None] = Field(description="Per candidate: " + OOD_SCORE_DOC)
+    in_domain: list[bool | None] = Field(description="Per candidate: " + IN_DOMAIN_DOC)
     model: ModelRef
 
 
@@ -111,14 +123,21 @@ class CompareResponse(BaseModel):
     reward_b: float
     truncated_a: bool
     truncated_b: bool
+    ood_score_a: float | None = Field(description=OOD_SCORE_DOC)
+    ood_score_b: float | None
+    in_domain_a: bool | None = Field(description=IN_DOMAIN_DOC)
+    in_domain_b: bool | None
     model: ModelRef
 
 
 class GetRewardResponse(BaseModel):
     rewards: list[float] = Field(description="One reward per query (OpenRLHF reads this).")
     scores: list[float] = Field(description="The same rewards (OpenRLHF's dynamic filtering reads this).")
-    extra_logs: dict[str, list[float]] = Field(description="Per-query numbers OpenRLHF logs: truncated (1/0) "
-                                                           "and prompt_found (1/0).")
+    extra_logs: dict[str, list[float]] = Field(description="Per-query numbers OpenRLHF logs: truncated (1/0), "
+                                                           "prompt_found (1/0) and, with the OOD flag on, "
+                                                           "ood_score and in_domain (1/0).")
+    ood_score: list[float | None] = Field(description="Per query: " + OOD_SCORE_DOC)
+    in_domain: list[bool | None] = Field(description="Per query: " + IN_DOMAIN_DOC)
     model: ModelRef
 
 
@@ -142,6 +161,10 @@ class ModelInfo(BaseModel):
                                     "first CUDA GPU when there is one).")
     truncation_policy: str
     loaded_at: str
+    ood_flag: dict[str, Any] = Field(description="enabled (whether responses carry ood_score and in_domain); when "
+                                                 "on, the fit: representation, fit_split, n_fit, dimensions, "
+                                                 "components, shrinkage, threshold, threshold_quantile, "
+                                                 "threshold_split, n_threshold; when off, the reason.")
     poll_seconds: float = Field(description="How often the alias is checked; 0: never.")
     last_reload_check: str | None
     last_reload_error: str | None

@@ -15,6 +15,11 @@ the requests that arrive while a batch is being scored share the next batch, in 
 second HTTP hop. /metrics counts them: `anchor_rm_scored_pairs_total`, and `anchor_rm_batch_requests` (a
 histogram of requests per batch).
 
+Every scored pair carries the version's OOD flag (anchor_rm/ood_flag.py): `ood_score` and `in_domain`, in
+each endpoint's own shape, from the same forward pass (ANCHOR_RM_OOD_FLAG=0 turns it off). /metrics exports
+`anchor_rm_ood_flagged_pairs_total`, `anchor_rm_ood_checked_pairs_total` and
+`anchor_rm_ood_flagged_fraction` (over the last 1,000 judged pairs): drift as a trainer's dashboard sees it.
+
 Besides its own API (/score, /best_of_n, /compare), the service speaks the protocols RLHF trainers use
 (service/protocols.py): OpenRLHF's /get_reward, vLLM's /classify, /pooling and GET /v1/models (verl),
 slime's /reward, and rerank (/v1/rerank, /v2/rerank, /rerank). The model loads in the background: until it
@@ -25,6 +30,7 @@ from __future__ import annotations
 
 import functools
 import logging
+from dataclasses import dataclass
 import shutil
 import time
 from pathlib import Path
@@ -37,6 +43,7 @@ from starlette.responses import JSONResponse
 
 from anchor_rm import scoring
 from anchor_rm.batching import QueueTimeout, ScoreBatcher
+from anchor_rm.ood_flag import RECENT_PAIRS, RecentShare
 from service import guard, holder, protocols, schemas
 from service.get_routes import GetRoutes
 from service.protocols import ClassifyRequest, RerankRequest, SampleRequest
@@ -50,11 +57,29 @@ SETTINGS = load_settings()
 SCORED_PAIRS = bentoml.metrics.Counter(name="anchor_rm_scored_pairs", documentation="pairs scored by the model")
 BATCH_REQUESTS = bentoml.metrics.Histogram(name="anchor_rm_batch_requests", documentation="requests per scored batch",
                                            buckets=(1, 2, 4, 8, 16, 32, 64, 128, 256))
+OOD_FLAGGED = bentoml.metrics.Counter(name="anchor_rm_ood_flagged_pairs",
+                                      documentation="scored pairs the OOD flag marked out of domain (in_domain false)")
+OOD_CHECKED = bentoml.metrics.Counter(name="anchor_rm_ood_checked_pairs",
+                                      documentation="scored pairs the OOD flag judged (flag on, version has a fit)")
+OOD_RECENT = bentoml.metrics.Gauge(name="anchor_rm_ood_flagged_fraction",
+                                   documentation=f"share of the last {RECENT_PAIRS} judged pairs marked out of domain")
 
 
 def _count_batch(requests: int, pairs: int) -> None:
     BATCH_REQUESTS.observe(requests)
     SCORED_PAIRS.inc(pairs)
+
+
+@dataclass(frozen=True)
+class Scored:
+    """One request's answer from its batch: per pair the reward, truncation and the OOD flag (None where the
+    flag is off or the version has no fit), and the version that scored it."""
+
+    rewards: list[float]
+    truncated: list[bool]
+    ood_score: list[float | None]
+    in_domain: list[bool | None]
+    model: ModelRef
 
 
 def _bad_request(exc: RequestError) -> JSONResponse:
@@ -104,7 +129,7 @@ class RewardService:
         self.limits = SETTINGS.limits()
         loader = functools.partial(holder.load_served_model, batch_size=SETTINGS.forward_batch_size,
                                    precision=SETTINGS.precision, device=SETTINGS.device,
-                                   max_tokens=SETTINGS.forward_max_tokens or None)
+                                   max_tokens=SETTINGS.forward_max_tokens or None, ood_flag=SETTINGS.ood_flag)
         self.holder = holder.ModelHolder(SETTINGS.model_uri, self._root, loader=loader)
         LIVE.holder = self.holder
         self.holder.load_in_background(retry_seconds=SETTINGS.poll_seconds or 10.0)
@@ -112,6 +137,7 @@ class RewardService:
         self.batcher = ScoreBatcher(self._score_batch, max_batch_size=SETTINGS.max_batch_size,
                                     batching=SETTINGS.batching, max_wait_seconds=SETTINGS.max_latency_ms / 1000,
                                     on_batch=_count_batch)
+        self.recent_flags = RecentShare()  # touched by the scoring thread only
 
     @bentoml.on_shutdown
     def _close(self) -> None:
@@ -123,25 +149,32 @@ class RewardService:
     def __is_ready__(self) -> bool:
         return self.holder.loaded
 
-    def _score_batch(self, prompts: list[str], responses: list[str]) -> tuple[Any, Any, ModelRef]:
+    def _score_batch(self, prompts: list[str], responses: list[str]) -> tuple:
         """One batch, in the batcher's worker thread: one model object for all of it, even if a reload swaps
-        the served model meanwhile."""
+        the served model meanwhile. Per-pair columns for the batcher to slice, and the version."""
         model = self.holder.current
         scored = model.score(prompts, responses)
-        return scored.rewards, scored.truncated, model.ref
+        ood, inside = [None] * len(prompts), [None] * len(prompts)
+        if scored.in_domain is not None:
+            ood, inside = [float(x) for x in scored.ood_scores], [bool(x) for x in scored.in_domain]
+            flagged = inside.count(False)
+            OOD_CHECKED.inc(len(inside))
+            OOD_FLAGGED.inc(flagged)
+            OOD_RECENT.set(self.recent_flags.add([not d for d in inside]))
+        return [float(r) for r in scored.rewards], [bool(t) for t in scored.truncated], ood, inside, model.ref
 
-    async def _score(self, prompts: list[str], responses: list[str]) -> tuple[list[float], list[bool], ModelRef]:
+    async def _score(self, prompts: list[str], responses: list[str]) -> Scored:
         try:
-            return await self.batcher.score(prompts, responses)
+            return Scored(*await self.batcher.score(prompts, responses))
         except QueueTimeout as exc:
             raise ServiceUnavailable(str(exc)) from None
 
-    async def _score_with_tokens(self, prompts: list[str], responses: list[str]) -> tuple[list[float], list[int], str]:
-        """Rewards, the tokens each pair was scored on (for usage), and the served model's id."""
-        rewards, _, _ = await self._score(prompts, responses)
+    async def _score_with_tokens(self, prompts: list[str], responses: list[str]) -> tuple[Scored, list[int], str]:
+        """The pairs scored, the tokens each was scored on (for usage), and the served model's id."""
+        scored = await self._score(prompts, responses)
         model = self.holder.current
         tokens = await anyio.to_thread.run_sync(model.token_counts, prompts, responses)
-        return rewards, tokens, _model_id(model)
+        return scored, tokens, _model_id(model)
 
     @bentoml.api(route="/score")
     async def score(self, request: ScoreRequest, /) -> ScoreResponse:
@@ -152,8 +185,9 @@ class RewardService:
             schemas.check_pairs(prompts, responses, self.limits)
         except RequestError as exc:
             return _bad_request(exc)
-        rewards, truncated, ref = await self._score(prompts, responses)
-        return ScoreResponse(rewards=rewards, truncated=truncated, model=ref)
+        scored = await self._score(prompts, responses)
+        return ScoreResponse(rewards=scored.rewards, truncated=scored.truncated, ood_score=scored.ood_score,
+                             in_domain=scored.in_domain, model=scored.model)
 
     @bentoml.api(route="/best_of_n")
     async def best_of_n(self, request: BestOfNRequest, /) -> BestOfNResponse:
@@ -162,9 +196,10 @@ class RewardService:
             schemas.check_best_of_n(request.prompt, request.candidates, self.limits)
         except RequestError as exc:
             return _bad_request(exc)
-        rewards, truncated, ref = await self._score([request.prompt] * len(request.candidates), request.candidates)
-        ranking = scoring.rank(rewards)
-        return BestOfNResponse(rewards=rewards, ranking=ranking, best_index=ranking[0], truncated=truncated, model=ref)
+        scored = await self._score([request.prompt] * len(request.candidates), request.candidates)
+        ranking = scoring.rank(scored.rewards)
+        return BestOfNResponse(rewards=scored.rewards, ranking=ranking, best_index=ranking[0], truncated=scored.truncated,
+                               ood_score=scored.ood_score, in_domain=scored.in_domain, model=scored.model)
 
     @bentoml.api(route="/compare")
     async def compare(self, request: CompareRequest, /) -> CompareResponse:
@@ -173,9 +208,12 @@ class RewardService:
             schemas.check_compare(request.prompt, request.response_a, request.response_b, self.limits)
         except RequestError as exc:
             return _bad_request(exc)
-        (r_a, r_b), (t_a, t_b), ref = await self._score([request.prompt] * 2, [request.response_a, request.response_b])
+        scored = await self._score([request.prompt] * 2, [request.response_a, request.response_b])
+        (r_a, r_b), (t_a, t_b) = scored.rewards, scored.truncated
         return CompareResponse(p_a_preferred=scoring.preference_probability(r_a, r_b), reward_a=r_a, reward_b=r_b,
-                               truncated_a=t_a, truncated_b=t_b, model=ref)
+                               truncated_a=t_a, truncated_b=t_b, ood_score_a=scored.ood_score[0],
+                               ood_score_b=scored.ood_score[1], in_domain_a=scored.in_domain[0],
+                               in_domain_b=scored.in_domain[1], model=scored.model)
 
     @bentoml.api(route="/get_reward")
     async def get_reward(self, request: GetRewardRequest, /) -> GetRewardResponse:
@@ -187,10 +225,13 @@ class RewardService:
             return _bad_request(exc)
         if not split.prompts:  # OpenRLHF sends every reward server after the first empty lists
             return GetRewardResponse(rewards=[], scores=[], extra_logs={"truncated": [], "prompt_found": []},
-                                     model=self.holder.current.ref)
-        rewards, truncated, ref = await self._score(split.prompts, split.responses)
-        logs = {"truncated": [float(t) for t in truncated], "prompt_found": [float(f) for f in split.prompt_found]}
-        return GetRewardResponse(rewards=rewards, scores=rewards, extra_logs=logs, model=ref)
+                                     ood_score=[], in_domain=[], model=self.holder.current.ref)
+        scored = await self._score(split.prompts, split.responses)
+        logs = {"truncated": [float(t) for t in scored.truncated], "prompt_found": [float(f) for f in split.prompt_found]}
+        if None not in scored.in_domain:  # OpenRLHF averages each list into its logs: the share in domain
+            logs.update(ood_score=list(scored.ood_score), in_domain=[float(d) for d in scored.in_domain])
+        return GetRewardResponse(rewards=scored.rewards, scores=scored.rewards, extra_logs=logs,
+                                 ood_score=scored.ood_score, in_domain=scored.in_domain, model=scored.model)
 
     @bentoml.api(route="/classify")
     async def classify(self, request: ClassifyRequest, /) -> dict[str, Any]:
@@ -201,8 +242,9 @@ class RewardService:
             pairs = protocols.classify_pairs(request, self.limits)
         except RequestError as exc:
             return _bad_request(exc)
-        rewards, tokens, model_id = await self._score_with_tokens(pairs.prompts, pairs.responses)
-        return protocols.classify_response(model_id, rewards, tokens, protocols.use_activation(request))
+        scored, tokens, model_id = await self._score_with_tokens(pairs.prompts, pairs.responses)
+        return protocols.classify_response(model_id, scored.rewards, tokens, protocols.use_activation(request),
+                                           scored.ood_score, scored.in_domain)
 
     @bentoml.api(route="/pooling")
     async def pooling(self, request: ClassifyRequest, /) -> dict[str, Any]:
@@ -212,28 +254,31 @@ class RewardService:
             pairs = protocols.classify_pairs(request, self.limits)
         except RequestError as exc:
             return _bad_request(exc)
-        rewards, tokens, model_id = await self._score_with_tokens(pairs.prompts, pairs.responses)
-        return protocols.pooling_response(model_id, rewards, tokens, protocols.use_activation(request, default=False))
+        scored, tokens, model_id = await self._score_with_tokens(pairs.prompts, pairs.responses)
+        return protocols.pooling_response(model_id, scored.rewards, tokens, protocols.use_activation(request, default=False),
+                                          scored.ood_score, scored.in_domain)
 
     @bentoml.api(route="/reward")
-    async def reward(self, request: SampleRequest, /) -> dict[str, float]:
+    async def reward(self, request: SampleRequest, /) -> dict[str, Any]:
         """slime's remote reward (--rm-url .../reward --reward-key reward): {"prompt", "response", "label"}
-        -> {"reward": r, "score": r}."""
+        -> {"reward": r, "score": r, "ood_score": s, "in_domain": b}."""
         try:
             prompt, response = protocols.sample_pair(request, self.limits)
         except RequestError as exc:
             return _bad_request(exc)
-        (reward,), _, _ = await self._score([prompt], [response])
-        return {"reward": reward, "score": reward}
+        scored = await self._score([prompt], [response])
+        return {"reward": scored.rewards[0], "score": scored.rewards[0], "ood_score": scored.ood_score[0],
+                "in_domain": scored.in_domain[0]}
 
     async def _rerank(self, request: RerankRequest) -> Any:
         try:
             candidates = protocols.rerank_candidates(request, self.limits)
         except RequestError as exc:
             return _bad_request(exc)
-        rewards, tokens, model_id = await self._score_with_tokens([candidates.query] * len(candidates.documents),
-                                                                  candidates.documents)
-        answer = protocols.rerank_response(request, candidates, rewards, model_id, tokens)
+        scored, tokens, model_id = await self._score_with_tokens([candidates.query] * len(candidates.documents),
+                                                                 candidates.documents)
+        answer = protocols.rerank_response(request, candidates, scored.rewards, model_id, tokens, scored.ood_score,
+                                           scored.in_domain)
         return JSONResponse(answer) if isinstance(answer, list) else answer
 
     @bentoml.api(route="/v1/rerank")

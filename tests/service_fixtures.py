@@ -31,17 +31,34 @@ def served_report(mean_ood: float):
                         data_digests={"hh-helpful-base/id_test": "a" * 64, "pandalm/test": "b" * 64})
 
 
+def fit_pairs(n: int, offset: int = 0):
+    """Short HH-like pairs the served model's OOD flag is fitted on (and thresholded on, with an offset)."""
+    from anchor_rm.data import PreferencePair
+
+    topics = ["eggs", "tea", "bread", "rain", "a bicycle", "the moon", "a cat", "soup", "a letter", "music"]
+    return [PreferencePair(f"Human: how do I look after {topics[(i + offset) % 10]}?\n\nAssistant:",
+                           f"Gently, and check on {topics[(i + 3) % 10]} every day.",
+                           f"I do not know about {topics[(i + offset + 5) % 10]}.", "fit") for i in range(n)]
+
+
 @pytest.fixture(scope="module")
 def store(tmp_path_factory, minilm_tokenizer):
-    """Two registered versions of tiny random BERTs (different seeds), champion on version 1."""
+    """Two registered versions of tiny random BERTs (different seeds), champion on version 1. Version 1 carries
+    an OOD flag (fitted as final_report fits it, on tiny fit pairs); version 2 none (a version registered
+    before the flag existed)."""
     from anchor_rm.mlflow_edge.registry import set_alias
-    from anchor_rm.workflow import load_saved
+    from anchor_rm.workflow import fit_ood_flag, load_saved
 
     workdir = tmp_path_factory.mktemp("service")
     with sqlite_store(workdir, "service-http-tests") as uri:
         folders = {}
         for seed in (0, 1):
             folder = tiny_model_folder(workdir / f"model{seed}", minilm_tokenizer, seed, MAX_LENGTH)
+            if seed == 0:
+                fitted = load_saved(folder)
+                fit_ood_flag(fitted, fit_pairs(60), fit_pairs(30, offset=1), fit_split="student_train",
+                             threshold_split="fit/val")
+                fitted.density.save(folder)
             folders[register_version(folder, served_report(54.0 + seed), NAME)] = folder
         set_alias(NAME, "champion", "1")
         scorers = {v: load_saved(f).scorer() for v, f in folders.items()}

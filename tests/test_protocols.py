@@ -10,7 +10,7 @@ import time
 import httpx
 import pytest
 
-from anchor_rm.client import AsyncRewardClient, RewardClient, RewardServiceError, TRLRewardFunction
+from anchor_rm.client import AsyncRewardClient, RewardClient, RewardServiceError, Scores, TRLRewardFunction
 from anchor_rm.scoring import conversation_to_pair, sigmoid, split_transcript
 from service import protocols
 from service.get_routes import GetRoutes
@@ -226,13 +226,18 @@ def test_the_async_client_and_the_trl_reward_function():
     calls = []
 
     class Fake:
-        def score(self, pairs):
+        def score_details(self, pairs):
             calls.append(pairs)
-            return [float(len(r)) for _, r in pairs]
+            return Scores([float(len(r)) for _, r in pairs], [len(r) / 2 for _, r in pairs],
+                          [len(r) < 3 for _, r in pairs], [False] * len(pairs), {"name": "m", "version": "1"})
 
-    reward = TRLRewardFunction(Fake(), batch_size=2)
+    seen = []
+    reward = TRLRewardFunction(Fake(), batch_size=2, on_scores=seen.append)
     assert reward(prompts=["a", "b", "c"], completions=["x", "yy", "zzz"], trainer_state=None) == [1.0, 2.0, 3.0]
     assert [len(c) for c in calls] == [2, 1]
+    # The OOD flag of every completion of the call, in order, reaches the callback once (and last_scores).
+    assert len(seen) == 1 and seen[0] is reward.last_scores
+    assert seen[0].ood_score == [0.5, 1.0, 1.5] and seen[0].in_domain == [True, True, False]
     conversational = reward(prompts=[[{"role": "user", "content": "Egg?"}]],
                             completions=[[{"role": "assistant", "content": "Boil."}]])
     assert conversational == [5.0] and calls[-1] == [("\n\nHuman: Egg?\n\nAssistant:", "Boil.")]

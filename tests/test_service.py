@@ -119,6 +119,7 @@ def test_settings_defaults_environment_and_file(tmp_path):
                               "ANCHOR_RM_API_KEY": "s3cret", "ANCHOR_RM_BATCHING": "off"})
     assert settings.model_uri == "models:/x/3" and settings.max_candidates == 8
     assert settings.poll_seconds == 0 and not settings.batching  # the environment wins over the file
+    assert defaults.ood_flag and not load_settings({"ANCHOR_RM_OOD_FLAG": "0"}).ood_flag
     assert settings.api_key == "s3cret" and "s3cret" not in repr(settings)
     assert settings.limits() == ServingLimits(256, 8, 32768)
     as_json = tmp_path / "serve.json"
@@ -131,6 +132,7 @@ def test_settings_defaults_environment_and_file(tmp_path):
     ({"ANCHOR_RM_MAX_TEXT_BYTES": "lots"}, ["ANCHOR_RM_MAX_TEXT_BYTES", "positive whole number"]),
     ({"ANCHOR_RM_POLL_SECONDS": "-1"}, ["ANCHOR_RM_POLL_SECONDS", "non-negative"]),
     ({"ANCHOR_RM_BATCHING": "maybe"}, ["ANCHOR_RM_BATCHING", "1 or 0"]),
+    ({"ANCHOR_RM_OOD_FLAG": "sometimes"}, ["ANCHOR_RM_OOD_FLAG", "1 or 0"]),
     ({"ANCHOR_RM_MAX_BATCH_SIZE": "1"}, ["at least 2", "ANCHOR_RM_BATCHING=0"]),
     ({"ANCHOR_RM_CONFIG": "/nonexistent/serve.toml"}, ["no such file"]),
     ({"ANCHOR_RM_DEVICE": "gpu"}, ["ANCHOR_RM_DEVICE='gpu'", "auto, cpu, cuda or cuda:N"]),
@@ -324,6 +326,24 @@ def test_served_model_scores_like_the_library_and_carries_its_report(registered,
     got = served.score(prompts, responses)
     np.testing.assert_allclose(got.rewards, expected.rewards, atol=1e-6)
     assert got.truncated.tolist() == [False, True, False]  # 60 words of prompt do not fit in 32 tokens
+
+
+def test_the_ood_flag_setting_turns_the_flag_off_and_says_so(registered, tmp_path):
+    """ANCHOR_RM_OOD_FLAG=0 reaches load_served_model as ood_flag=False: rewards alone, /model says why."""
+    from service_fixtures import fit_pairs
+
+    from anchor_rm.workflow import fit_ood_flag
+
+    fitted = load_saved(registered["1"])
+    fit_ood_flag(fitted, fit_pairs(40), fit_pairs(20, offset=1), fit_split="student_train", threshold_split="fit/val")
+    fitted.density.save(registered["1"])  # the folder, as a run or folder URI serves it
+    on = load_served_model(str(registered["1"]), tmp_path / "on")
+    off = load_served_model(str(registered["1"]), tmp_path / "off", ood_flag=False)
+    scored, plain = on.score(["Hi"], ["Hello."]), off.score(["Hi"], ["Hello."])
+    assert scored.ood_scores is not None and plain.ood_scores is None and plain.in_domain is None
+    np.testing.assert_allclose(plain.rewards, scored.rewards, atol=1e-6)
+    assert on.describe()["ood_flag"]["enabled"] and on.describe()["ood_flag"]["n_fit"] == 80
+    assert off.describe()["ood_flag"] == {"enabled": False, "reason": "turned off (ANCHOR_RM_OOD_FLAG=0)"}
 
 
 def test_a_reward_does_not_depend_on_its_batch(registered, tmp_path):

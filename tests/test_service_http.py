@@ -92,6 +92,9 @@ def test_score_equals_the_library_scorer(store, http):
     expected = _library(store, "1", PROMPTS, RESPONSES)
     np.testing.assert_allclose(body["rewards"], expected.rewards, atol=1e-5)
     assert body["truncated"] == expected.truncated.tolist() == [False, False, True, False]
+    # The OOD flag, as the library's scorer computes it with the version's fit.
+    np.testing.assert_allclose(body["ood_score"], expected.ood_scores, rtol=1e-4)
+    assert body["in_domain"] == expected.in_domain.tolist()
 
 
 def test_best_of_n_and_compare(store, http):
@@ -122,7 +125,11 @@ def test_openrlhf_get_reward_protocol(store, http):
     expected = _library(store, "1", prompts, [" " + RESPONSES[0], RESPONSES[1]]).rewards
     np.testing.assert_allclose(body["rewards"], expected, atol=1e-5)
     assert body["scores"] == body["rewards"]
-    assert body["extra_logs"] == {"truncated": [0.0, 0.0], "prompt_found": [1.0, 1.0]}
+    flag = _library(store, "1", prompts, [" " + RESPONSES[0], RESPONSES[1]])
+    assert set(body["extra_logs"]) == {"truncated", "prompt_found", "ood_score", "in_domain"}
+    assert body["extra_logs"]["truncated"] == [0.0, 0.0] and body["extra_logs"]["prompt_found"] == [1.0, 1.0]
+    assert body["extra_logs"]["in_domain"] == [float(d) for d in flag.in_domain] and body["in_domain"] == flag.in_domain.tolist()
+    np.testing.assert_allclose(body["extra_logs"]["ood_score"], flag.ood_scores, rtol=1e-4)
     assert body["model"]["version"] == "1"
     bare = http.post("/get_reward", json={"query": queries[:1]}).json()  # older clients send the query alone
     np.testing.assert_allclose(bare["rewards"], _library(store, "1", [""], queries[:1]).rewards, atol=1e-5)
@@ -137,9 +144,69 @@ def test_model_and_report(store, http):
     assert info["max_length"] == MAX_LENGTH and "left" in info["truncation_policy"]
     assert info["precision"] == resolve_precision("auto")  # ANCHOR_RM_PRECISION unset: the hardware decides
     assert info["device"] == ("cuda:0" if torch.cuda.is_available() else "cpu")  # ANCHOR_RM_DEVICE unset: auto
+    density = store["scorers"]["1"].density
+    flag = info["ood_flag"]
+    assert flag["enabled"] is True and flag["threshold"] == pytest.approx(density.threshold, rel=1e-6)
+    assert (flag["n_fit"], flag["fit_split"], flag["threshold_quantile"], flag["dimensions"]) == (120, "student_train", 0.95, 32)
     report = http.post("/report").json()
     assert report["mean_nts"] == pytest.approx(served_report(54.0).mean_nts)
     assert [row["dataset"] for row in report["splits"]] == ["hh-helpful-base", "pandalm"]
+
+
+def _metric(http, name: str) -> float:
+    # a gauge carries the worker's pid as a label (prometheus_client's multiprocess mode), a counter none
+    lines = [line for line in http.get("/metrics").text.splitlines() if line.startswith((name + " ", name + "{"))]
+    return float(lines[0].rsplit(" ", 1)[1]) if lines else 0.0
+
+
+def test_every_scoring_endpoint_carries_the_ood_flag_and_the_metrics_count_it(store, http):
+    """Per pair, in each protocol's own shape, the flag the library computes; /metrics counts what it judged
+    and flagged. Text unlike the fit pairs is flagged; a version without a fit answers null and says why."""
+    _champion("1")
+    http.post("/reload")
+    checked, flagged = _metric(http, "anchor_rm_ood_checked_pairs_total"), _metric(http, "anchor_rm_ood_flagged_pairs_total")
+    prompt = "\n\nHuman: how do I look after a cat?\n\nAssistant:"  # /classify splits it off again
+    texts = ["Gently, and check on tea every day.", "qzx " * 12 + "Ω≈ç√ " * 6, "I do not know about soup."]
+    expected = _library(store, "1", [prompt] * 3, texts)
+    assert not expected.in_domain.all() and expected.in_domain.any(), expected.ood_scores  # both kinds here
+    inside, scores = expected.in_domain.tolist(), expected.ood_scores
+
+    answers = {
+        "/score": http.post("/score", json={"items": [{"prompt": prompt, "response": t} for t in texts]}).json(),
+        "/best_of_n": http.post("/best_of_n", json={"prompt": prompt, "candidates": texts}).json(),
+    }
+    for path, body in answers.items():
+        assert body["in_domain"] == inside, path
+        np.testing.assert_allclose(body["ood_score"], scores, rtol=1e-4, err_msg=path)
+    compared = http.post("/compare", json={"prompt": prompt, "response_a": texts[0], "response_b": texts[1]}).json()
+    assert [compared["in_domain_a"], compared["in_domain_b"]] == inside[:2]
+    np.testing.assert_allclose([compared["ood_score_a"], compared["ood_score_b"]], scores[:2], rtol=1e-4)
+    for path in ("/classify", "/pooling"):
+        items = http.post(path, json={"input": [prompt + " " + t for t in texts]}).json()["data"]
+        assert [item["in_domain"] for item in items] == inside, path
+        np.testing.assert_allclose([item["ood_score"] for item in items], scores, rtol=1e-4, err_msg=path)
+    slime = http.post("/reward", json={"prompt": prompt, "response": texts[1]}).json()
+    assert slime["in_domain"] == inside[1] and slime["ood_score"] == pytest.approx(scores[1], rel=1e-4)
+    cohere = http.post("/v1/rerank", json={"query": prompt, "documents": texts}).json()["results"]
+    tei = http.post("/rerank", json={"query": prompt, "texts": texts}).json()
+    for results in (cohere, tei):
+        assert {r["index"]: r["in_domain"] for r in results} == dict(enumerate(inside))
+    judged = 3 + 3 + 2 + 3 + 3 + 1 + 3 + 3  # score, best_of_n, compare, classify, pooling, reward, two reranks
+    out = inside.count(False)
+    assert _metric(http, "anchor_rm_ood_checked_pairs_total") - checked == judged
+    assert _metric(http, "anchor_rm_ood_flagged_pairs_total") - flagged == 6 * out + inside[:2].count(False) + (not inside[1])
+    assert 0 < _metric(http, "anchor_rm_ood_flagged_fraction") <= 1
+
+    _champion("2")  # registered without a fit: rewards as ever, the flag null, /model says why
+    assert http.post("/reload").json()["current_version"] == "2"
+    try:
+        body = http.post("/score", json={"items": [{"prompt": prompt, "response": texts[0]}]}).json()
+        assert body["ood_score"] == [None] and body["in_domain"] == [None] and len(body["rewards"]) == 1
+        info = http.post("/model").json()["ood_flag"]
+        assert info["enabled"] is False and "no fitted density" in info["reason"]
+    finally:
+        _champion("1")
+        http.post("/reload")
 
 
 def test_openapi_documents_every_endpoint(http):
