@@ -55,18 +55,35 @@ class DensityFit:
         return int(self.mean.shape[0])
 
     def score(self, features: np.ndarray) -> np.ndarray:
-        """Squared Mahalanobis distance per dimension, one per row of `features` (n, d)."""
-        features = np.asarray(features, dtype=np.float64)
+        """Squared Mahalanobis distance per dimension, one per row of `features` (n, d).
+
+        Computed with torch, in float64: numpy's BLAS has its own thread pool, whose threads spin after a call
+        and took CPU from the next forward pass on a small machine (the flag cost 9% of scoring time on 2
+        cores; bench/ood_flag_overhead.py), while torch's run in the pool the forward pass uses."""
+        import torch
+
+        features = np.asarray(features)
         if features.ndim != 2 or features.shape[1] != self.dimensions:
             raise ValueError(f"features of shape {features.shape}; the density was fitted on {self.dimensions} "
                              "dimensions (a different model?)")
-        centred = features - self.mean
-        projected = centred @ self.basis.T
-        distance = (projected ** 2 / self.variances).sum(axis=1)
+        x = torch.as_tensor(features, dtype=torch.float64)
+        mean, basis = self._tensors()
+        centred = x - mean
+        projected = centred @ basis.T
+        distance = (projected ** 2 / torch.as_tensor(self.variances)).sum(dim=1)
         if self.basis.shape[0] < self.dimensions:
-            rest = np.maximum((centred ** 2).sum(axis=1) - (projected ** 2).sum(axis=1), 0.0)
+            rest = ((centred ** 2).sum(dim=1) - (projected ** 2).sum(dim=1)).clamp(min=0.0)
             distance += rest / self.residual_variance
-        return distance / self.dimensions
+        return (distance / self.dimensions).numpy()
+
+    def _tensors(self):
+        """The mean and basis as float64 torch tensors, made once."""
+        import torch
+
+        if "_torch" not in self.__dict__:
+            object.__setattr__(self, "_torch", (torch.as_tensor(self.mean, dtype=torch.float64),
+                                                torch.as_tensor(self.basis, dtype=torch.float64)))
+        return self.__dict__["_torch"]
 
     def in_domain(self, scores: np.ndarray) -> np.ndarray:
         return np.asarray(scores) <= self.threshold
