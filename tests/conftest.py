@@ -75,8 +75,10 @@ def tiny_bert(minilm_tokenizer):
 # The longest modules first (measured, docs/benchmarks.md "Test suite"): with two xdist workers taking one
 # module at a time in this order, the tune test (14.5-25 minutes beside the rest on 2 AVX2-only cores) and
 # the cluster test start at once and the rest share what is left, instead of a long test starting last and
-# running alone.
-LONGEST_FIRST = ("test_tune.py", "test_cluster.py", "test_resume.py", "test_pipeline_train.py", "test_study.py")
+# running alone. test_fsdp.py (its sharded LoRA tune run: 8-10 minutes beside the rest, M3) comes before the
+# 3-4-minute modules.
+LONGEST_FIRST = ("test_tune.py", "test_cluster.py", "test_resume.py", "test_fsdp.py", "test_pipeline_train.py",
+                 "test_study.py")
 
 
 def pytest_collection_modifyitems(config, items):
