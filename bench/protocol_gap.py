@@ -10,6 +10,10 @@ teacher on both. Choose on validation; the test column is there to show that the
     .venv/bin/python bench/protocol_gap.py --category helpful --seeds 0
     .venv/bin/python bench/protocol_gap.py --source hh-helpful --teachers minilm-l6-first1:200,minilm-l6-first2:400 \
         --student-pairs 640,1280 --max-length 128 --seeds 0,1
+    .venv/bin/python bench/protocol_gap.py --category helpful --teachers minilm-l6-first1:150:2:5e-4 \
+        --student smollm2-135m --lora-rank 16 --lora-learning-rate 1e-3 --seeds 0     # a LoRA ceiling
+
+Each model's line also gives its training time per optimizer step and the process's peak resident memory so far.
 """
 
 from __future__ import annotations
@@ -36,6 +40,10 @@ def parse_args(argv=None) -> argparse.Namespace:
                         help="the ceiling's embeddings and lowest K layers keep their pretrained weights (default 0)")
     parser.add_argument("--max-length", type=int, default=128)
     parser.add_argument("--learning-rate", type=float, default=1e-4)
+    parser.add_argument("--lora-rank", type=int, default=0, metavar="R",
+                        help="the ceiling trains LoRA adapters of rank R (and its head) instead of every weight")
+    parser.add_argument("--lora-alpha", type=float, default=16.0)
+    parser.add_argument("--lora-learning-rate", type=float, help="the adapters' learning rate (default: --learning-rate)")
     parser.add_argument("--seeds", default="0")
     parser.add_argument("--precision", choices=["auto", "fp32", "bf16"], default="auto")
     parser.add_argument("--out", help="also write the figures as JSON here")
@@ -61,6 +69,8 @@ def main(argv=None) -> int:
     from anchor_rm.training import TrainConfig
     import numpy as np
 
+    import resource
+
     from anchor_rm.workflow import evaluate_pairs, load_pretrained, soft_labels, train_on_pairs
 
     precision = resolve_precision(args.precision)
@@ -77,18 +87,25 @@ def main(argv=None) -> int:
         print(f"seed {seed}: {source} splits {splits.counts[source]['splits']}", flush=True)
 
         def train_and_score(name: str, pairs, epochs: int, label_pairs=None, lr: float = args.learning_rate,
-                            frozen_layers: int = 0) -> dict:
+                            frozen_layers: int = 0, lora_rank: int = 0) -> dict:
             started = time.perf_counter()
-            rm = load_pretrained(name, args.max_length, seed)
-            train_on_pairs(rm, pairs, None, TrainConfig(method="gold", epochs=epochs, batch_size=16, seed=seed,
-                                                        learning_rate=lr, max_length=args.max_length,
-                                                        precision=precision, frozen_layers=frozen_layers))
+            config = TrainConfig(method="gold", epochs=epochs, batch_size=16, seed=seed, learning_rate=lr,
+                                 max_length=args.max_length, precision=precision, frozen_layers=frozen_layers,
+                                 lora_rank=lora_rank, lora_alpha=args.lora_alpha,
+                                 lora_learning_rate=args.lora_learning_rate if lora_rank else None)
+            rm = load_pretrained(name, args.max_length, seed, lora_rank=lora_rank, lora_alpha=args.lora_alpha)
+            trained_at = time.perf_counter()
+            result, _ = train_on_pairs(rm, pairs, None, config)
+            steps, train_seconds = result.steps, time.perf_counter() - trained_at
             val = evaluate_pairs(rm, splits.id_val, 64, precision=precision)
             test = evaluate_pairs(rm, splits.id_test, 64, precision=precision)
             out = {"val": val.accuracy, "test": test.accuracy, "n_val": val.n_pairs, "n_test": test.n_pairs}
             if label_pairs is not None:  # how much a student can learn from it: the spread of its soft labels
                 q = soft_labels(rm, label_pairs, 64, precision)
                 out["q_mean_abs_dev"] = float(np.mean(np.abs(q - 0.5)))
+            out.update(train_seconds=train_seconds, steps=steps,
+                       seconds_per_step=None if not steps else train_seconds / steps,
+                       peak_rss_gib=resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2 ** 20)
             return {**out, "seconds": time.perf_counter() - started}
 
         teachers = {}
@@ -100,7 +117,7 @@ def main(argv=None) -> int:
             print(f"  teacher {label}: {teachers[label]}", flush=True)
         for n in args.student_pair_list:
             ceiling = train_and_score(args.student, capped(splits.student_train, n, "student_train"), args.epochs,
-                                      frozen_layers=args.frozen_layers)
+                                      frozen_layers=args.frozen_layers, lora_rank=args.lora_rank)
             print(f"  ceiling {args.student} on {n} pairs x {args.epochs}"
                   f"{f', lowest {args.frozen_layers} layers frozen' if args.frozen_layers else ''}: {ceiling}", flush=True)
             for label, teacher in teachers.items():
@@ -115,6 +132,9 @@ def main(argv=None) -> int:
                             "ceiling val", "gap val",
                             "teacher test", "ceiling test", "gap test"], rows)
     frozen = f" (embeddings and lowest {args.frozen_layers} layers frozen)" if args.frozen_layers else ""
+    if args.lora_rank:
+        frozen += (f" (LoRA rank {args.lora_rank}, alpha {args.lora_alpha:g}, adapter lr "
+                   f"{args.lora_learning_rate or args.learning_rate:g})")
     note = (f"{source}, ID val n={n_val}, ID test n={n_test}; ceiling {args.student}{frozen}, max length "
             f"{args.max_length}, {args.epochs} epochs, lr {args.learning_rate}, {precision}; {machine()}")
     print("\n" + table + "\n\n" + note)
