@@ -47,7 +47,7 @@ def evaluate_outcome(shared: SharedStages, outcome: TrialOutcome, folder: Path, 
                      ood_flag: bool = False) -> EvaluationReport:
     """The model in `folder` on the test splits (experiment.final_report). `ood_flag`: fit its OOD flag too and
     save the fit into `folder`, which then serves with it (the registered model; the baselines' reports skip
-    it, about 20 s each on 2 cores)."""
+    it: about 30 s each on 2 cores, M3)."""
     rm = load_saved(folder)
     method = outcome.config.get("method")
     info = {"name": f"{student} ({method})", "student": student, "teacher": teacher, "method": method,
