@@ -273,7 +273,8 @@ def final_report(shared: SharedStages, rm: RewardModel, model_info: dict, eval_b
                         target_flags=shared.headline.flags, headline_note=shared.headline.note,
                         teacher_calibration=shared.teacher_calibration,
                         validation_results=rows["val"], selection=selection,
-                        ood_flag=measure_sets(rm.density, flagged, reference=flagged[0]) if ood_flag else None)
+                        ood_flag=(measure_sets(rm.density, flagged, reference=next(f for f in flagged if f.role == "id"))
+                                  if ood_flag else None))
 
 
 def run_student(cfg: ProtocolConfig, shared: SharedStages, train_cfg: TrainConfig, run_name: str | None = None) -> tuple[str, EvaluationReport]:
