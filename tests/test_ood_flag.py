@@ -115,7 +115,7 @@ def test_scoring_reads_the_last_layers_mean_over_the_anchored_positions_in_the_s
     rm = RewardModel(model, minilm_tokenizer, RewardEncoder(minilm_tokenizer, 40, decoder=architecture == "llama"), "tiny")
     encoded = rm.encode(pairs(12))
     sequences = encoded.chosen + encoded.rejected
-    features = rm.scorer(batch_size=5).features(sequences)
+    features = rm.scorer(batch_size=5, precision="fp32").features(sequences)  # the reference below is fp32
     for i in (0, 7, 23):
         batch = collate([sequences[i]], rm.encoder.pad_token_id)
         with torch.no_grad():
