@@ -3,6 +3,7 @@
 
     .venv/bin/python bench/study_checks.py              # every section
     .venv/bin/python bench/study_checks.py --items 1,7  # some of them
+    .venv/bin/python bench/study_checks.py --study docs/results/harmless-full-5-seeds/study.json --items 2,4,5,7,9
 
 Reads docs/results/harmless-5-seeds/study.json (the current protocol: harmless, 5 seeds) and
 docs/results/study.json (the previous protocol). Metrics, the validation pick of the 'tuned' rows and the
@@ -23,6 +24,7 @@ Prints plain text: the primary comparison (as tables.md gives it), then one sect
   7  the validation pick per seed and layer choice, exact ties, and the rows had ties gone to the largest lambda
   8  seed 2: naive W2S against ANCHOR last at lambda 1e-5, pair by pair
   9  training time (train_seconds)
+  10 each headline target's part of the primary comparison (its mean and its share of the variance over seeds)
 Accuracies and differences are in points.
 """
 
@@ -54,6 +56,9 @@ DOC_MARGINS = {0: 0.025, 1: 0.015, 2: 0.026, 3: 0.025, 4: 0.012}
 def parse_args(argv=None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--items", default="1,2,3,4,5,6,7,8,9", help="comma-separated items to print (default: all)")
+    parser.add_argument("--study", type=Path, default=STUDY,
+                        help="the study.json to read (default: %(default)s); items 1, 3 and 8 are about that study's "
+                             "HHH harmless and teacher margins, and item 6 always reads the previous protocol's")
     return parser.parse_args(argv)
 
 
@@ -215,9 +220,11 @@ def item4(h5, rows) -> None:
     print("== item 4: the lambda sweep, test mean NTS paired by seed (study_report.paired) ==")
     per_label = by_label(rows)
     for layer in ("last", "middle"):
-        sweep = {lam: f"ANCHOR {layer}, lambda {lam}" for lam in ("1e-05", "0.0001", "0.001")}
-        for a, b in ((sweep["0.001"], sweep["0.0001"]), (sweep["0.001"], sweep["1e-05"]), (sweep["0.001"], NAIVE),
-                     (sweep["0.0001"], NAIVE)):
+        prefix = f"ANCHOR {layer}, lambda "
+        sweep = {label[len(prefix):]: label for label in per_label if label.startswith(prefix)}  # the study's lambdas
+        pairs = [(sweep["0.001"], sweep["0.0001"]), (sweep["0.001"], sweep["1e-05"])]
+        pairs += [(label, NAIVE) for label in sweep.values()]  # every lambda against naive W2S
+        for a, b in pairs:
             diffs = [x["mean_nts"] - y["mean_nts"] for x, y in zip(per_label[a], per_label[b])]
             print(f"{sr.paired(rows, a, b)}; sd of the difference {np.std(diffs, ddof=1):.2f}")
     print("seed-to-seed mean ± sd of each row's mean NTS:")
@@ -254,7 +261,7 @@ def first_and_last_pick(inst: dict, layer: str) -> tuple[list[tuple[dict, float]
     """Each candidate with its validation mean NTS (study_report.val_mean_nts); study_report.tuned's pick
     (the first best, in study.json order); and the last best, the pick had ties gone the other way."""
     keep = sr._is("anchor", layer)
-    scored = [(s, sr.val_mean_nts(inst, s)) for s in inst["students"] if keep(s)]
+    scored = [(s, sr.val_mean_nts(inst, s)) for s in inst["students"] if keep(s, sr.main_labels(inst))]
     best = max(v for _, v in scored)
     last = [s for s, v in scored if v == best][-1]
     return scored, sr.tuned(inst, keep), last
@@ -324,21 +331,46 @@ def item9(h5) -> None:
     print("per seed: " + ", ".join(f"seed {inst['seed']} {sum(s['train_seconds'] for s in inst['students']):.0f} s" for inst in h5))
 
 
+def item10(h5, rows) -> None:
+    print("== item 10: each headline target's part of the primary comparison (mean NTS = mean over the headline) ==")
+    per_label = by_label(rows)
+    targets = h5[0].get("headline_targets") or []
+    if any((inst.get("headline_targets") or []) != targets for inst in h5) or not targets:
+        print("the headline targets differ between seeds (or none is recorded): not split")
+        return
+    print(f"headline targets: {', '.join(targets)}")
+    for label in (NAIVE, TUNED_LAST):
+        print(f"  {label}: " + "; ".join(
+            f"NTS {t} per seed {seeds_text([m[f'nts {t}'] for m in per_label[label]])}" for t in targets))
+    diff = {t: np.array([a[f"nts {t}"] - b[f"nts {t}"] for a, b in zip(per_label[TUNED_LAST], per_label[NAIVE])])
+            for t in targets}
+    total = sum(diff.values()) / len(targets)
+    print(f"{TUNED_LAST} minus {NAIVE}, mean NTS per seed {seeds_text(total)} (mean {total.mean():+.2f}, "
+          f"sd {np.std(total, ddof=1):.2f}); per target:")
+    for t in targets:
+        print(f"  {t}: per seed {seeds_text(diff[t])}; its part of the mean {diff[t].mean() / len(targets):+.2f}; "
+              f"share of the variance {covariance_share(total, diff[t] / len(targets)):.0%}")
+    for t in targets:
+        print(f"  {t} alone: {sr.paired(rows, TUNED_LAST, NAIVE, f'nts {t}')}")
+
+
 def main(argv=None) -> int:
     args = parse_args(argv)
     items = {x.strip() for x in args.items.split(",") if x.strip()}
-    if not items <= set("123456789"):
-        raise SystemExit(f"--items: expected numbers 1-9, got {args.items!r}")
+    if not items <= {str(i) for i in range(1, 11)}:
+        raise SystemExit(f"--items: expected numbers 1-10, got {args.items!r}")
     items = {int(x) for x in items}
-    h5 = load(STUDY)
+    h5 = load(args.study)
     rows = with_targets(sr.rows_for(h5))
-    print(f"{STUDY.relative_to(ROOT)}: {len(h5)} seeds ({', '.join(str(i['seed']) for i in h5)}), "
+    shown = args.study.resolve()
+    print(f"{shown.relative_to(ROOT) if shown.is_relative_to(ROOT) else shown}: {len(h5)} seeds ({', '.join(str(i['seed']) for i in h5)}), "
           f"{sum(len(i['students']) for i in h5)} students")
     print()
     primary(h5, rows)
     sections = {1: lambda: item1(h5, rows), 2: lambda: item2(h5), 3: lambda: item3(h5, rows),
                 4: lambda: item4(h5, rows), 5: lambda: item5(h5, rows), 6: lambda: item6(load(PREVIOUS)),
-                7: lambda: item7(h5, rows), 8: lambda: item8(h5), 9: lambda: item9(h5)}
+                7: lambda: item7(h5, rows), 8: lambda: item8(h5), 9: lambda: item9(h5),
+                10: lambda: item10(h5, rows)}
     for item in sorted(items):
         print()
         sections[item]()
