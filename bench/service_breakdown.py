@@ -1,0 +1,116 @@
+"""Where a lone /score request's time goes (not a test): the service at one client against a plain loop.
+
+One client sends one pair per request and waits, as bench_service.py's 1-client cell does. Measured in one
+run, interleaved over `--repeats` rounds, each row the median per request:
+
+  plain loop       bench_service.PlainLoop: tokenizer + AutoModelForSequenceClassification, one pair
+  scorer           the service's own scoring path in this process (service.holder.load_served_model, then
+                   ServedModel.score on one dedicated thread, as the service's batcher does): no HTTP
+  GET /livez       a round trip through `bentoml serve` that touches no model: the HTTP floor
+  POST /score      the full request
+
+and the CPU each side spends per /score request: the client thread's (time.thread_time) and the service's
+processes' (from /proc), so that what the client takes from the shared cores is visible.
+
+    .venv/bin/python bench/service_breakdown.py                   # MiniLM-L6, 3 rounds x 300 requests (~3 min)
+    .venv/bin/python bench/service_breakdown.py --model tiny --requests 100 --repeats 1
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import tempfile
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+from bench_common import _tree_seconds, load_pairs, register_versions, service_machine, stop_service
+from bench_service import NAME, PlainLoop, serve, warm_up
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--model", default="minilm-l6", help="minilm-l6 or tiny (bench_common.bench_reward_model)")
+    parser.add_argument("--max-length", type=int, default=192)
+    parser.add_argument("--requests", type=int, default=300, help="requests per row and round")
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--precision", choices=["auto", "fp32", "bf16"], default="auto")
+    return parser.parse_args(argv)
+
+
+def per_request(fn, n: int) -> list[float]:
+    times = []
+    for i in range(n):
+        t0 = time.perf_counter()
+        fn(i)
+        times.append(time.perf_counter() - t0)
+    return times
+
+
+def main(argv=None) -> int:
+    import httpx
+    import torch
+
+    from anchor_rm.precision import resolve_precision
+    from service.holder import in_fresh_thread, load_served_model
+
+    args = parse_args(argv)
+    workdir = Path(tempfile.mkdtemp(prefix="anchor-rm-breakdown-"))
+    _, folders = register_versions(workdir, args.model, args.max_length, NAME, (0,), "bench-breakdown")
+    folder = next(iter(folders.values()))
+    pairs = load_pairs()
+    precision = resolve_precision(args.precision, "cpu")
+    proc, url = serve(workdir, True, 32, args.precision)
+    try:
+        warm_up(url, pairs)
+        loop = PlainLoop(folder, pairs, args.max_length, precision)
+        served = in_fresh_thread(lambda: load_served_model(f"models:/{NAME}/1", workdir / "dl", batch_size=8,
+                                                           precision=args.precision, device="cpu"))
+        scoring_thread = ThreadPoolExecutor(max_workers=1)  # as the service's batcher: one dedicated thread
+        for p, r in pairs:
+            scoring_thread.submit(served.score, [p], [r]).result()
+        http = httpx.Client(base_url=url, timeout=300)
+        rows: dict[str, list[float]] = {"plain loop": [], "scorer": [], "GET /livez": [], "POST /score": []}
+        client_cpu, server_cpu = [], []
+
+        def post(i: int) -> None:
+            p, r = pairs[i % len(pairs)]
+            http.post("/score", json={"items": [{"prompt": p, "response": r}]}).raise_for_status()
+
+        for _ in range(args.repeats):
+            rows["plain loop"] += per_request(lambda i: loop._score(*pairs[i % len(pairs)]), args.requests)
+            rows["scorer"] += per_request(
+                lambda i: scoring_thread.submit(served.score, [pairs[i % len(pairs)][0]],
+                                                [pairs[i % len(pairs)][1]]).result(), args.requests)
+            rows["GET /livez"] += per_request(lambda i: http.get("/livez").raise_for_status(), args.requests)
+            server0, client0 = _tree_seconds(proc.pid), time.thread_time()
+            rows["POST /score"] += per_request(post, args.requests)
+            client_cpu.append((time.thread_time() - client0) / args.requests)
+            server_cpu.append((_tree_seconds(proc.pid) - server0) / args.requests)
+        http.close()
+        scoring_thread.shutdown()
+    finally:
+        stop_service(proc)
+    print(f"Command: `python bench/service_breakdown.py {' '.join(sys.argv[1:] if argv is None else argv)}`  ")
+    print(f"Machine: {service_machine()}; torch threads {torch.get_num_threads()}; precision {args.precision} -> "
+          f"{precision}; model {args.model}, max length {args.max_length}; {args.repeats} rounds x "
+          f"{args.requests} requests, one client, one pair per request.\n")
+    print("| row | p50 ms | mean ms | over plain loop (p50) |")
+    print("|---|---:|---:|---:|")
+    base = statistics.median(rows["plain loop"])
+    for name, times in rows.items():
+        print(f"| {name} | {1000 * statistics.median(times):.2f} | {1000 * statistics.mean(times):.2f} | "
+              f"{statistics.median(times) / base:.2f} |")
+    print(f"\nCPU per /score request: client thread {1000 * statistics.median(client_cpu):.2f} ms, service processes "
+          f"{1000 * statistics.median(server_cpu):.2f} ms (medians of the rounds: "
+          f"{', '.join(f'{1000 * c:.2f}' for c in client_cpu)} / {', '.join(f'{1000 * s:.2f}' for s in server_cpu)}).")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
