@@ -63,7 +63,10 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 
 def load(path: Path) -> list[dict]:
-    return json.loads(path.read_text())["instances"]
+    try:
+        return json.loads(path.read_text())["instances"]
+    except (OSError, ValueError, KeyError) as exc:
+        raise SystemExit(f"{path}: not a study.json that pipelines/study.py wrote ({type(exc).__name__}: {exc})")
 
 
 def seeds_text(values, digits: int = 2, sign: bool = True) -> str:
