@@ -40,7 +40,11 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--requests", type=int, default=300, help="requests per row and round")
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--precision", choices=["auto", "fp32", "bf16"], default="auto")
-    return parser.parse_args(argv)
+    args = parser.parse_args(argv)
+    for name in ("max_length", "requests", "repeats"):
+        if getattr(args, name) < 1:
+            parser.error(f"--{name.replace('_', '-')} {getattr(args, name)}: expected at least 1")
+    return args
 
 
 def per_request(fn, n: int) -> list[float]:
@@ -61,7 +65,12 @@ def main(argv=None) -> int:
 
     args = parse_args(argv)
     workdir = Path(tempfile.mkdtemp(prefix="anchor-rm-breakdown-"))
-    _, folders = register_versions(workdir, args.model, args.max_length, NAME, (0,), "bench-breakdown")
+    from anchor_rm.models import ModelError
+
+    try:
+        _, folders = register_versions(workdir, args.model, args.max_length, NAME, (0,), "bench-breakdown")
+    except ModelError as exc:
+        raise SystemExit(f"--model {args.model}: {exc}") from None
     folder = next(iter(folders.values()))
     pairs = load_pairs()
     precision = resolve_precision(args.precision, "cpu")
