@@ -5,7 +5,8 @@ whole on rank 0) to the folder given.
     python tests/fsdp_worker.py OUT_DIR STRATEGY [--lora] [--epochs N]                     # one process
     torchrun --nproc_per_node 2 tests/fsdp_worker.py OUT_DIR fsdp2 [--lora] [--epochs N]    # two workers
 
-With --checkpoint, the run leaves a checkpoint of its first epoch in OUT_DIR/checkpoint as a Tune trial does
+It also writes OUT_DIR/first_step.pt: every gradient the first optimiser step applied (after clipping) and every
+parameter after that step, gathered whole. With --checkpoint, the run leaves a checkpoint of its first epoch in OUT_DIR/checkpoint as a Tune trial does
 (save_reward_model on rank 0, sharded.save_sharded on every worker, the scheduler's state), and the weights it
 held then in OUT_DIR/first_epoch.pt, and goes on; with --resume CHECKPOINT it starts from that checkpoint's
 second epoch, at whatever number of workers it runs with.
@@ -24,6 +25,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
+from torch.optim.optimizer import register_optimizer_step_post_hook, register_optimizer_step_pre_hook  # noqa: E402
 
 from helpers import tiny_llama  # noqa: E402
 
@@ -95,6 +97,19 @@ def main() -> None:
             for worker in sorted(args.out.glob("checkpoint-rank*")):
                 shutil.copytree(worker, args.out / "checkpoint", dirs_exist_ok=True)
 
+    first_step: dict = {}
+
+    def before_first_step(_optimizer, _args, _kwargs) -> None:
+        if "gradients" not in first_step:  # gathering is a collective: every worker steps, so every worker is here
+            first_step["gradients"] = {name: whole(p.grad).clone() for name, p in model.named_parameters()
+                                       if p.grad is not None}
+
+    def after_first_step(_optimizer, _args, _kwargs) -> None:
+        if "parameters" not in first_step:
+            first_step["parameters"] = gathered(model)
+
+    register_optimizer_step_pre_hook(before_first_step)
+    register_optimizer_step_post_hook(after_first_step)
     start_epoch, optimizer_state = 0, None
     if args.resume is not None:
         start_epoch = 1
@@ -108,15 +123,20 @@ def main() -> None:
     if rank == 0:
         args.out.mkdir(parents=True, exist_ok=True)
         torch.save(state, args.out / "parameters.pt")
+        torch.save(first_step, args.out / "first_step.pt")
         (args.out / "steps.json").write_text(json.dumps([log.__dict__ for log in logs]))
     if distributed:
         dist.destroy_process_group()
 
 
+def whole(tensor: torch.Tensor) -> torch.Tensor:
+    """A tensor whole: a sharded one (DTensor) gathered from all workers (call it on every worker)."""
+    return (tensor.full_tensor() if hasattr(tensor, "full_tensor") else tensor).detach()
+
+
 def gathered(model) -> dict:
-    """Every parameter whole (a sharded one gathered from all workers: call it on every worker)."""
-    return {name: (p.full_tensor() if hasattr(p, "full_tensor") else p).detach().clone()
-            for name, p in model.named_parameters()}
+    """Every parameter whole (call it on every worker)."""
+    return {name: whole(p).clone() for name, p in model.named_parameters()}
 
 
 if __name__ == "__main__":
