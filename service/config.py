@@ -16,7 +16,7 @@ MLFLOW_TRACKING_URI / MLFLOW_REGISTRY_URI (unset: SQLite mlflow.db in the workin
     ANCHOR_RM_MAX_BATCH_SIZE        32                                   pairs per batch (at least 2; a larger request goes alone)
     ANCHOR_RM_FORWARD_BATCH_SIZE    8                                    sequences per forward pass: a batch is sorted by
                                                                          length and cut into passes of this size
-    ANCHOR_RM_FORWARD_MAX_TOKENS    0                                    also at most this many tokens per pass, padded
+    ANCHOR_RM_FORWARD_MAX_TOKENS    16384                                also at most this many tokens per pass, padded
                                                                          (0: none): a large model's activation bound
     ANCHOR_RM_MAX_LATENCY_MS        60000                                longest a request may queue for the model before a 503
     ANCHOR_RM_TIMEOUT_SECONDS       300                                  per-request timeout
@@ -90,8 +90,9 @@ class Settings:
     # (bench/service_scoring.py, docs/benchmarks.md).
     forward_batch_size: int = 8
     # Tokens per forward pass, padded (0: no budget, forward_batch_size alone): a 7-8B model's activations grow
-    # with tokens, not pairs; e.g. 16384 scores 16 sequences of 1,024 tokens or 128 of 128 at once.
-    forward_max_tokens: int = 0
+    # with tokens, not pairs. 16384 lets a pass hold 4 sequences of 4,096 tokens or 8 of up to 2,048 (with 8 per
+    # pass); it never binds a small model at its usual length (8 x 192 = 1,536 for MiniLM-L6).
+    forward_max_tokens: int = 16384
     max_latency_ms: int = 60000
     timeout_seconds: float = 300.0
     download_dir: str | None = None

@@ -431,7 +431,8 @@ def test_a_token_budget_bounds_each_forward_pass_and_keeps_every_sequence_once()
 def test_the_service_reads_a_token_budget_and_refuses_a_negative_one():
     from service.config import SettingsError, load_settings
 
-    assert load_settings({}).forward_max_tokens == 0
-    assert load_settings({"ANCHOR_RM_FORWARD_MAX_TOKENS": "16384"}).forward_max_tokens == 16384
+    assert load_settings({}).forward_max_tokens == 16384  # on by default: a large model's activations
+    assert load_settings({"ANCHOR_RM_FORWARD_MAX_TOKENS": "4096"}).forward_max_tokens == 4096
+    assert load_settings({"ANCHOR_RM_FORWARD_MAX_TOKENS": "0"}).forward_max_tokens == 0
     with pytest.raises(SettingsError, match="ANCHOR_RM_FORWARD_MAX_TOKENS='-1'"):
         load_settings({"ANCHOR_RM_FORWARD_MAX_TOKENS": "-1"})
