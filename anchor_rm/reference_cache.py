@@ -33,7 +33,7 @@ import torch
 
 from anchor_rm.encoding import collate
 from anchor_rm.precision import autocast, uses_bf16
-from anchor_rm.scoring import EncodedPairs, length_sorted_batches, reward_forward
+from anchor_rm.scoring import EncodedPairs, capture_hidden_states, length_sorted_batches, reward_forward
 
 
 def encoded_digest(encoded: EncodedPairs) -> str:
@@ -202,8 +202,8 @@ def compute_reference_states(reference: torch.nn.Module, encoded: EncodedPairs, 
     for batch_indices in length_sorted_batches([len(s.input_ids) for s in sequences], batch_size):
         batch = collate([sequences[i] for i in batch_indices], pad_token_id)
         batch = {k: v.to(device) for k, v in batch.items()}
-        with autocast(precision, device.type):
-            hidden = reward_forward(reference, batch, output_hidden_states=True).hidden_states
+        with autocast(precision, device.type), capture_hidden_states(reference, layers) as hidden:
+            reward_forward(reference, batch)  # only the cached layers' states are kept (forward hooks)
         mask = batch["anchor_mask"].bool()
         for layer in layers:
             layer_states = hidden[layer].float()
