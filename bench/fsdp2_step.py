@@ -15,6 +15,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import resource
 import sys
 import time
 from pathlib import Path
@@ -59,7 +60,9 @@ def main(argv=None) -> int:
              for i in range(args.pairs)]
     result = {"student": args.student, "device": args.device, "workers": world, "precision": precision,
               "pairs": args.pairs, "batch_size": args.batch_size, "max_length": args.max_length,
-              "lora_rank": args.lora_rank, "activation_checkpointing": args.activation_checkpointing, "variants": {}}
+              "lora_rank": args.lora_rank, "activation_checkpointing": args.activation_checkpointing,
+              "peak_measure": "torch.cuda.max_memory_allocated" if args.device == "cuda" else "peak RSS of the worker process",
+              "variants": {}}
     for method in ("naive", "anchor"):
         config = TrainConfig(method=method, anchor_lambda=0.1 if method == "anchor" else 0.0, epochs=1,
                              batch_size=args.batch_size, learning_rate=1e-5, max_length=args.max_length,
@@ -76,7 +79,9 @@ def main(argv=None) -> int:
                            pad_token_id=rm.encoder.pad_token_id)
         dist.barrier()
         seconds = time.perf_counter() - started
-        peak = torch.tensor([torch.cuda.max_memory_allocated(device) if args.device == "cuda" else 0], dtype=torch.float64)
+        # a GPU's allocator peak; on a CPU the worker process's peak RSS (since it started: an upper bound)
+        peak = torch.tensor([torch.cuda.max_memory_allocated(device) if args.device == "cuda"
+                             else resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024], dtype=torch.float64)
         peaks = [torch.zeros_like(peak) for _ in range(world)]
         dist.all_gather(peaks, peak)
         result["variants"][method] = {"seconds": round(seconds, 2), "pairs_per_s": round(len(encoded) / seconds, 2),

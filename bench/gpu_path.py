@@ -5,7 +5,7 @@
     .venv/bin/python bench/gpu_path.py --device cpu --student minilm-l6 --quick   # the same steps on a CPU
     .venv/bin/python bench/gpu_path.py --dry-run                         # print the steps' commands only
 
-Six steps, each a subprocess of the project's own commands, its output kept under --out:
+Seven steps, each a subprocess of the project's own commands, its output kept under --out:
 
 1. `pipelines/tune.py --preset smoke` with the student, `--use-gpu yes` and the precision (bf16 on a GPU
    that has it): Ray Train sets up its process group with nccl on GPU workers. Reported: wall time, and
@@ -21,6 +21,7 @@ Six steps, each a subprocess of the project's own commands, its output kept unde
    off); its trials' peak VRAM and RSS are in the same table.
 6. `bench/fsdp2_step.py` under torchrun, one process per GPU: naive and ANCHOR epochs with FSDP2, pairs/s,
    ANCHOR over naive, peak memory per device beside the plan's (fsdp2.json).
+7. The same with a LoRA student (rank 16) sharded over the devices (fsdp2_lora.json).
 
 Writes summary.md (what docs/benchmarks.md takes) and summary.json under --out. `--quick` shrinks every step
 (fewer pairs, epochs, repeats and seconds) to check the script, not to measure.
@@ -80,8 +81,11 @@ def steps(args: argparse.Namespace, out: Path) -> dict[str, list[str]]:
              "--device", "cuda" if gpu else "cpu", "--precision", args.precision, "--out", str(out / "fsdp2.json")]
     fsdp2 += ["--pairs", "16", "--batch-size", "8", "--max-length", "64"] if args.quick else \
         ["--pairs", "256", "--batch-size", "16", "--max-length", "512"]
+    # the same with a LoRA student sharded over the devices (reference: adapters off; no frozen copy)
+    fsdp2_lora = [*fsdp2[:fsdp2.index("--out")], "--out", str(out / "fsdp2_lora.json"),
+                  *fsdp2[fsdp2.index("--out") + 2:], "--lora-rank", "16"]
     return {"tune": tune, "anchor_cost": cost, "service": service, "plan_lora": plan_lora, "tune_lora": tune_lora,
-            "fsdp2": fsdp2}
+            "fsdp2": fsdp2, "fsdp2_lora": fsdp2_lora}
 
 
 def _gpu_count() -> int:
@@ -145,6 +149,15 @@ def summary_markdown(result: dict) -> str:
     for row in result["trials"]:
         lines.append(f"| {row['trial']} | {row['method']} | {row['status']} | {row['backend']} | "
                      f"{'-' if row['peak_vram_mb'] is None else row['peak_vram_mb']} | {row['peak_rss_mb']} |")
+    for name, fsdp2 in result.get("fsdp2", {}).items():
+        lines += ["", f"FSDP2 ({name}: {fsdp2['workers']} workers on {fsdp2['device']}, {fsdp2['precision']}, "
+                  f"LoRA rank {fsdp2['lora_rank'] or '- (full fine-tune)'}, {fsdp2['pairs']} pairs, batch "
+                  f"{fsdp2['batch_size']}, max length {fsdp2['max_length']}): ANCHOR over naive per epoch "
+                  f"{fsdp2['anchor_over_naive']}; peak memory: {fsdp2.get('peak_measure', 'torch.cuda.max_memory_allocated')}", "",
+                  "| method | seconds | pairs/s | peak GiB per device | plan GiB per device |", "|---|---:|---:|---|---:|"]
+        for method, v in fsdp2["variants"].items():
+            lines.append(f"| {method} | {v['seconds']} | {v['pairs_per_s']} | "
+                         f"{', '.join(str(x) for x in v['peak_memory_gib_per_device'])} | {v['plan_gib_per_device']} |")
     lines += ["", "ANCHOR over naive per epoch and the service's pairs/s: the tables at the end of anchor_cost.log "
               "and service.log (every repeat, medians, ratios)."]
     return "\n".join(lines) + "\n"
@@ -171,6 +184,8 @@ def main(argv=None) -> int:
     for name, command in commands.items():
         result["steps"][name] = run_step(name, command, out)
     result["trials"] = trial_figures(out) if (out / "mlflow.db").exists() else []
+    result["fsdp2"] = {name: json.loads((out / f"{name}.json").read_text())
+                       for name in ("fsdp2", "fsdp2_lora") if (out / f"{name}.json").exists()}
     (out / "summary.json").write_text(json.dumps(result, indent=2))
     (out / "summary.md").write_text(summary_markdown(result))
     print("\n" + summary_markdown(result))

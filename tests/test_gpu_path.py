@@ -24,7 +24,7 @@ def test_every_step_parses_with_its_commands_parser(tmp_path, flags):
     import fsdp2_step
 
     commands = gpu_path.steps(gpu_path.parse_args(flags), tmp_path)
-    assert set(commands) == {"tune", "anchor_cost", "service", "plan_lora", "tune_lora", "fsdp2"}
+    assert set(commands) == {"tune", "anchor_cost", "service", "plan_lora", "tune_lora", "fsdp2", "fsdp2_lora"}
     tune_args = tune.build_parser().parse_args(commands["tune"][2:])
     assert tune_args.preset == "smoke" and tune_args.use_gpu == ("no" if "cpu" in flags else "yes")
     lora_args = tune.build_parser().parse_args(commands["tune_lora"][2:])
@@ -34,6 +34,10 @@ def test_every_step_parses_with_its_commands_parser(tmp_path, flags):
     assert commands["fsdp2"][2] == "torch.distributed.run"
     fsdp2_args = fsdp2_step.parse_args(commands["fsdp2"][script + 1:])
     assert fsdp2_args.device == ("cpu" if "cpu" in flags else "cuda") and fsdp2_args.out.endswith("fsdp2.json")
+    assert fsdp2_args.lora_rank == 0
+    lora_fsdp2 = fsdp2_step.parse_args(commands["fsdp2_lora"][script + 1:])
+    assert lora_fsdp2.lora_rank == 16 and lora_fsdp2.out.endswith("fsdp2_lora.json")
+    assert lora_fsdp2.device == fsdp2_args.device and lora_fsdp2.pairs == fsdp2_args.pairs
     cost_argv = commands["anchor_cost"][2:]
     device = cost_argv[cost_argv.index("--device") + 1]
     assert device == ("cpu" if "cpu" in flags else "cuda")
@@ -48,7 +52,7 @@ def test_dry_run_prints_the_steps_and_a_missing_gpu_is_one_line(tmp_path):
     dry = subprocess.run([PYTHON, str(ROOT / "bench" / "gpu_path.py"), "--dry-run", "--out", str(tmp_path)],
                          capture_output=True, text=True, timeout=120)
     assert dry.returncode == 0 and [line.split("]")[0] for line in dry.stdout.splitlines()] == \
-        ["[tune", "[anchor_cost", "[service", "[plan_lora", "[tune_lora", "[fsdp2"], dry.stdout
+        ["[tune", "[anchor_cost", "[service", "[plan_lora", "[tune_lora", "[fsdp2", "[fsdp2_lora"], dry.stdout
     import torch
 
     if not torch.cuda.is_available():
@@ -56,3 +60,23 @@ def test_dry_run_prints_the_steps_and_a_missing_gpu_is_one_line(tmp_path):
                                  capture_output=True, text=True, timeout=120)
         assert missing.returncode == 2 and "torch sees no CUDA GPU here" in missing.stderr, missing.stderr
         assert "Traceback" not in missing.stderr and not (tmp_path / "x").exists()
+
+
+def test_the_summary_prints_what_a_gpu_run_must_report_for_fsdp2():
+    """Peak memory per device beside the plan's, pairs/s and ANCHOR over naive, for the full and the LoRA run."""
+    import gpu_path
+
+    def run(lora_rank, anchor_seconds):
+        variants = {m: {"seconds": s, "pairs_per_s": round(256 / s, 2), "peak_memory_gib_per_device": [21.5, 21.7],
+                        "plan_gib_per_device": 23.7} for m, s in (("naive", 10.0), ("anchor", anchor_seconds))}
+        return {"student": "x", "device": "cuda", "workers": 2, "precision": "bf16", "pairs": 256, "batch_size": 16,
+                "max_length": 512, "lora_rank": lora_rank, "variants": variants,
+                "anchor_over_naive": round(anchor_seconds / 10.0, 3)}
+
+    result = {"machine": "m", "student": "x", "device": "cuda", "precision": "bf16", "quick": False, "steps": {},
+              "trials": [], "fsdp2": {"fsdp2": run(0, 11.0), "fsdp2_lora": run(16, 10.4)}}
+    text = gpu_path.summary_markdown(result)
+    assert "FSDP2 (fsdp2: 2 workers on cuda, bf16, LoRA rank - (full fine-tune)" in text
+    assert "FSDP2 (fsdp2_lora: 2 workers on cuda, bf16, LoRA rank 16" in text
+    assert "ANCHOR over naive per epoch 1.1" in text and "ANCHOR over naive per epoch 1.04" in text
+    assert "| anchor | 11.0 | 23.27 | 21.5, 21.7 | 23.7 |" in text
