@@ -82,9 +82,11 @@ def main(argv=None) -> int:
         from anchor_rm.experiment import prepare_shared, run_student
         from anchor_rm.report_files import report_to_markdown
         from anchor_rm.mlflow_edge.store import configure, resolve_tracking_uri
+        from anchor_rm.workflow import training_device
 
         cfg = config_from_args(args)
-        if memory_plan_or_dry_run(cfg, args):  # train.py trains in this process, on its CPU
+        # train.py trains in this process: on its first GPU where it has one (workflow.training_device), else its CPU
+        if memory_plan_or_dry_run(cfg, args, device=training_device()):
             return 0
         started = time.perf_counter()
         experiment_id = configure(args.tracking_uri, args.experiment or f"anchor-rm-{cfg.category}")
