@@ -11,7 +11,7 @@ import sys
 import pytest
 import torch
 
-from helpers import PYTHON, ROOT, free_port
+from helpers import PYTHON, ROOT, free_port, stop_process_group, wait_http
 
 WORKER = ROOT / "tests" / "fsdp_worker.py"
 
@@ -93,15 +93,15 @@ def test_two_fsdp2_workers_train_as_one_process_does_and_their_checkpoint_contin
 
 
 @pytest.mark.slow
-@pytest.mark.timeout(900)
+@pytest.mark.timeout(1200)
 def test_a_lora_tune_run_sharded_over_two_workers_resumes_and_registers_a_version_the_service_scores(tmp_path):
     """tune.py --lora-rank 8 --strategy fsdp2 --workers-per-trial 2 on a decoder: each trial's LoRA student
     (reference: adapters off) is sharded over two Ray Train workers, its checkpoints are both workers' shards in
     one folder; one worker killed after the first epoch's checkpoint makes Ray Train restart the trial from those
     shards; the selected model is registered as one ordinary folder (merged weights plus adapter/) that the
-    service's loader scores as the library does. The student is a tiny Llama with SmolLM2's tokenizer and chat
-    template: SmolLM2-135M itself took about an hour beside another job (docs/scaling.md), too long for the suite.
-    (The full fine-tune's shards, resume and export: the test above.)"""
+    service's loader and a `bentoml serve` process score as the library does. The student is a tiny Llama with
+    SmolLM2's tokenizer and chat template: SmolLM2-135M itself took about an hour beside another job
+    (docs/scaling.md), too long for the suite. (The full fine-tune's shards, resume and export: the test above.)"""
     import numpy as np
     from mlflow.tracking import MlflowClient
 
@@ -109,6 +109,9 @@ def test_a_lora_tune_run_sharded_over_two_workers_resumes_and_registers_a_versio
     from anchor_rm.models import load_tokenizer, resolve_model
     from anchor_rm.workflow import load_saved
     from helpers import assert_history_explained, run_pipeline, sqlite_store, tiny_llama
+    import httpx
+
+    from service.config import serve_command
     from service.holder import load_served_model
     from tuning.trainable import STEP_HOOK_ENV
 
@@ -152,3 +155,24 @@ def test_a_lora_tune_run_sharded_over_two_workers_resumes_and_registers_a_versio
         expected = load_saved(folder).scorer().score(prompts, responses).rewards
         assert np.all(np.isfinite(got)) and got[0] != got[1]
         np.testing.assert_allclose(got, expected, atol=1e-5)
+
+    # ... and `bentoml serve` serves that version over HTTP with the same rewards (fp32, as the library scored)
+    port = free_port()
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("ANCHOR_RM_", "BENTOML_", "MLFLOW_"))}
+    env.update({"MLFLOW_TRACKING_URI": uri, "ANCHOR_RM_MODEL_URI": "models:/anchor-rm-helpful/1", "ANCHOR_RM_PRECISION": "fp32",
+                "ANCHOR_RM_POLL_SECONDS": "0", "ANCHOR_RM_DOWNLOAD_DIR": str(tmp_path / "served"),
+                "BENTOML_HOME": str(tmp_path / "bentoml"), "BENTOML_DO_NOT_TRACK": "true", "HF_HUB_OFFLINE": "1",
+                "TOKENIZERS_PARALLELISM": "false"})
+    with open(tmp_path / "serve.log", "w") as log:
+        server = subprocess.Popen(serve_command(port), cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT,
+                                  start_new_session=True)
+    try:
+        wait_http(f"http://127.0.0.1:{port}/readyz", timeout=180, proc=server)
+        answer = httpx.post(f"http://127.0.0.1:{port}/score", timeout=60,
+                            json={"items": [{"prompt": p, "response": r} for p, r in zip(prompts, responses)]})
+        assert answer.status_code == 200, answer.text
+        assert answer.json()["model"]["version"] == "1"
+        in_fp32 = load_saved(folder).scorer(precision="fp32").score(prompts, responses).rewards
+        np.testing.assert_allclose(answer.json()["rewards"], in_fp32, atol=1e-5)
+    finally:
+        stop_process_group(server)
