@@ -211,6 +211,7 @@ def start_service(workdir: Path, env: dict[str, str], log_name: str = "serve.log
 
     from service.config import serve_command
 
+    stop_services_on_sigterm()
     port = free_port()
     full_env = {k: v for k, v in os.environ.items() if not k.startswith(("ANCHOR_RM_", "BENTOML_", "MLFLOW_"))}
     full_env.update({"BENTOML_HOME": str(workdir / "bentoml"), "BENTOML_DO_NOT_TRACK": "true", "HF_HUB_OFFLINE": "1",
@@ -220,17 +221,31 @@ def start_service(workdir: Path, env: dict[str, str], log_name: str = "serve.log
                                 stderr=subprocess.STDOUT, start_new_session=True)
     url = f"http://127.0.0.1:{port}"
     deadline = time.time() + timeout
-    while time.time() < deadline:
-        if proc.poll() is not None:
-            raise RuntimeError(f"bentoml serve exited with {proc.returncode}; see {workdir / log_name}")
-        try:
-            with urllib.request.urlopen(url + "/readyz", timeout=2) as r:
-                if r.status == 200:
-                    return proc, url
-        except OSError:
-            time.sleep(0.5)
+    try:
+        while time.time() < deadline:
+            if proc.poll() is not None:
+                raise RuntimeError(f"bentoml serve exited with {proc.returncode}; see {workdir / log_name}")
+            try:
+                with urllib.request.urlopen(url + "/readyz", timeout=2) as r:
+                    if r.status == 200:
+                        return proc, url
+            except OSError:
+                time.sleep(0.5)
+    except BaseException:  # stopped while it starts (SIGTERM, Ctrl-C): the caller never gets it to stop
+        stop_service(proc)
+        raise
     stop_service(proc)
     raise TimeoutError(f"bentoml serve did not become ready within {timeout:.0f} s; see {workdir / log_name}")
+
+
+def stop_services_on_sigterm() -> None:
+    """SIGTERM (`timeout`, `kill`) ends this process through SystemExit, so that the `finally` blocks that stop
+    its servers run: the servers live in their own sessions and would otherwise go on, each taking CPU from
+    whatever is measured next."""
+    import signal
+
+    if signal.getsignal(signal.SIGTERM) is signal.SIG_DFL:
+        signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(128 + signum))
 
 
 def stop_service(proc) -> None:
@@ -238,12 +253,21 @@ def stop_service(proc) -> None:
 
     if proc.poll() is not None:
         return
+    # bentoml serve's worker runs in a session of its own: an arbiter stopped before it set up its own
+    # shutdown would leave it running, so whatever of the tree outlives the arbiter is killed too
+    tree = [pid for pid in process_tree(proc.pid) if pid != proc.pid]
     os.killpg(proc.pid, signal.SIGTERM)
     try:
         proc.wait(timeout=30)
     except subprocess.TimeoutExpired:
         os.killpg(proc.pid, signal.SIGKILL)
         proc.wait(timeout=30)
+    for pid in tree:
+        try:
+            if b"bentoml" in Path(f"/proc/{pid}/cmdline").read_bytes():  # still one of them, not a reused pid
+                os.kill(pid, signal.SIGKILL)
+        except (OSError, ProcessLookupError):
+            pass
 
 
 def load_pairs(limit: int = 400) -> list[tuple[str, str]]:
