@@ -143,3 +143,118 @@ def test_a_driver_killed_at_each_point_resumes_to_one_registered_version(tmp_pat
                 assert markers == [], (trial.data.tags["anchor_rm.trial_id"], markers)
     finally:
         stop_process_group(server)
+
+
+# ---------------------------------------------------------------------------------------------------
+# A placement group left by a killed driver (tuning/orphans.py).
+
+def _group(pg_id: str, job: str, state: str = "CREATED", detached: bool = False):
+    from tuning.orphans import PlacementGroupRecord
+
+    return PlacementGroupRecord(pg_id, job, state, detached, {"CPU": 1.0})
+
+
+@pytest.mark.timeout(60)
+def test_only_live_attached_groups_of_an_ended_earlier_driver_are_orphans():
+    from tuning.orphans import orphans
+
+    earlier = {("01000000", 100), ("02000000", 200), ("03000000", 300)}  # 03 is this driver, still running
+    ended = {("01000000", 100), ("02000000", 200), ("04000000", 400), ("05000000", 999)}
+    groups = [_group("a", "02000000"), _group("b", "02000000", "PENDING"), _group("c", "02000000", "REMOVED"),
+              _group("d", "02000000", detached=True), _group("e", "03000000"), _group("f", "04000000"),
+              _group("g", "01000000", "RESCHEDULING")]
+    assert [g.placement_group_id for g in orphans(groups, earlier, ended)] == ["a", "b", "g"]
+    # a job id handed out again by a restarted cluster (another start time) is not an earlier driver
+    assert orphans([_group("h", "05000000")], {("05000000", 500)}, ended) == []
+
+
+@pytest.mark.timeout(60)
+def test_drivers_file_skips_a_line_cut_by_a_kill(tmp_path):
+    from tuning.orphans import DRIVERS_FILE, earlier_drivers
+
+    assert earlier_drivers(tmp_path) == set()
+    (tmp_path / DRIVERS_FILE).write_text('{"job_id": "01000000", "start_time": 5}\n{"job_id": "02000')
+    assert earlier_drivers(tmp_path) == {("01000000", 5)}
+
+
+_MAKER = """
+import logging, sys, ray
+from pathlib import Path
+ray.init(address=sys.argv[1], namespace="orphans", log_to_driver=False)
+logging.basicConfig(level=logging.INFO)
+if sys.argv[3] != "-":
+    from tuning.orphans import record_driver
+    record_driver(Path(sys.argv[3]))
+
+@ray.remote(num_cpus=0)
+class Maker:
+    def make(self, cpus, detached):
+        from ray.util.placement_group import placement_group
+        pg = placement_group([{"CPU": cpus}], lifetime="detached" if detached else None)
+        ray.get(pg.ready(), timeout=120)
+        return pg.id.hex()
+
+    def ping(self):
+        return True
+
+Maker.options(name=sys.argv[2], lifetime="detached").remote()
+assert ray.get(ray.get_actor(sys.argv[2]).ping.remote())  # started, before this job ends
+"""
+
+_SWEEP = """
+import json, logging, sys, time, ray
+logging.basicConfig(level=logging.INFO)
+from pathlib import Path
+ray.init(address=sys.argv[1], namespace="orphans", log_to_driver=False)
+from ray.util.placement_group import placement_group
+from ray.util.state import list_placement_groups
+from tuning.orphans import record_driver, release_orphaned_placement_groups
+
+exp = Path(sys.argv[2])
+ours, others = ray.get_actor("earlier-driver"), ray.get_actor("other-job")
+groups = {
+    # created for jobs that have ended, after they ended: what a dying Train controller leaves
+    "orphan": ray.get(ours.make.remote(1.0, False)),
+    "detached": ray.get(ours.make.remote(0.25, True)),
+    "other_job": ray.get(others.make.remote(0.25, False)),
+}
+mine = placement_group([{"CPU": 0.25}])
+ray.get(mine.ready(), timeout=120)
+groups["this_driver"] = mine.id.hex()
+free_before = ray.available_resources().get("CPU", 0.0)
+record_driver(exp)
+released = release_orphaned_placement_groups(exp)
+states = {p.placement_group_id: str(getattr(p.state, "value", p.state)) for p in list_placement_groups(limit=10000)}
+deadline = time.monotonic() + 120  # the nodes report freed resources on their own time
+while ray.available_resources().get("CPU", 0.0) < free_before + 1.0 and time.monotonic() < deadline:
+    time.sleep(0.2)
+print(json.dumps({"groups": groups, "released": released, "states": {k: states[v] for k, v in groups.items()},
+                  "free_before": free_before, "free_after": ray.available_resources().get("CPU", 0.0)}))
+"""
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+def test_resume_releases_a_group_left_by_an_ended_driver_of_the_experiment_and_nothing_else(tmp_path):
+    """On a real `ray start` head: an earlier driver of the experiment (recorded in drivers.jsonl) and another
+    job, both ended, each leave a live non-detached placement group (made by their detached actors after the
+    jobs ended: the state a killed driver's Train controller leaves). The next driver releases the first and
+    its CPU comes back; the other job's group, a detached group and its own stay."""
+    exp = tmp_path / "experiment"
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))}
+    with ray_head(tmp_path, num_cpus=2) as address:
+        env.update({k: os.environ[k] for k in ("RAY_AUTH_MODE", "RAY_AUTH_TOKEN_PATH")})
+        for name, record in (("earlier-driver", str(exp)), ("other-job", "-")):
+            done = subprocess.run([PYTHON, "-c", _MAKER, address, name, record], env=env, capture_output=True,
+                                  text=True, timeout=300)
+            assert done.returncode == 0 and "cannot record" not in done.stderr, done.stderr[-3000:]
+        assert len((exp / "drivers.jsonl").read_text().splitlines()) == 1
+        done = subprocess.run([PYTHON, "-c", _SWEEP, address, str(exp)], env=env, capture_output=True, text=True,
+                              timeout=300)
+        assert done.returncode == 0, done.stderr[-3000:]
+    out = json.loads(done.stdout.strip().splitlines()[-1])
+    assert out["released"] == [out["groups"]["orphan"]], out
+    assert out["states"] == {"orphan": "REMOVED", "detached": "CREATED", "other_job": "CREATED",
+                             "this_driver": "CREATED"}, out
+    assert out["free_after"] == pytest.approx(out["free_before"] + 1.0), out
+    assert "released placement group " + out["groups"]["orphan"] in done.stderr, done.stderr[-3000:]

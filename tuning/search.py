@@ -20,7 +20,8 @@ import ray
 from ray import tune
 
 from anchor_rm.mlflow_edge.writer import OUTAGE_ENV
-from tuning.callbacks import MlflowTrialStatus, ProgressLog
+from tuning.callbacks import MlflowTrialStatus, ProgressLog, ReleaseOrphans
+from tuning.orphans import record_driver, release_orphaned_placement_groups
 from tuning.space import METRIC, make_scheduler, make_searcher
 from tuning.trainable import DRIVER_RESOURCES, STEP_HOOK_ENV, SharedPayload, trial_driver
 
@@ -91,8 +92,11 @@ def run_search(payload: SharedPayload, *, num_samples: int, concurrency: int, re
     """Runs (or resumes) the baselines and the ANCHOR search under payload.storage_path (the experiment's
     folder); returns (baseline outcomes, anchor outcomes)."""
     root = Path(payload.storage_path)
+    record_driver(root)
+    release_orphaned_placement_groups(root)
     trainable = tune.with_resources(tune.with_parameters(trial_driver, payload=payload), DRIVER_RESOURCES)
-    callbacks = [MlflowTrialStatus(payload.tracking_uri, payload.experiment_id, payload.parent_run_id), ProgressLog()]
+    callbacks = [MlflowTrialStatus(payload.tracking_uri, payload.experiment_id, payload.parent_run_id), ProgressLog(),
+                 ReleaseOrphans(str(root))]
     epochs = payload.cfg.student_train.epochs
 
     baselines = _tuner(
