@@ -224,7 +224,7 @@ groups["this_driver"] = mine.id.hex()
 free_before = ray.available_resources().get("CPU", 0.0)
 record_driver(exp)
 released = release_orphaned_placement_groups(exp)
-states = {p.placement_group_id: str(getattr(p.state, "value", p.state)) for p in list_placement_groups(limit=10000)}
+states = {p.placement_group_id: str(getattr(p.state, "value", p.state)) for p in list_placement_groups(address=sys.argv[1], limit=10000)}
 deadline = time.monotonic() + 120  # the nodes report freed resources on their own time
 while ray.available_resources().get("CPU", 0.0) < free_before + 1.0 and time.monotonic() < deadline:
     time.sleep(0.2)
@@ -258,3 +258,39 @@ def test_resume_releases_a_group_left_by_an_ended_driver_of_the_experiment_and_n
                              "this_driver": "CREATED"}, out
     assert out["free_after"] == pytest.approx(out["free_before"] + 1.0), out
     assert "released placement group " + out["groups"]["orphan"] in done.stderr, done.stderr[-3000:]
+
+
+# ---------------------------------------------------------------------------------------------------
+# Tune's state files, written whole or not at all (tuning/storage.py).
+
+_KILLED_WRITER = """
+import os, sys
+from tuning.storage import experiment_filesystem
+with experiment_filesystem().open_output_stream(sys.argv[1]) as f:
+    f.write(b'{"half": ')
+    f.flush()
+    os.kill(os.getpid(), 9)  # the driver dies in the middle of the copy
+"""
+
+
+@pytest.mark.timeout(120)
+def test_a_writer_killed_mid_file_leaves_the_previous_file_whole(tmp_path):
+    import pyarrow.fs as pafs
+
+    from tuning.storage import experiment_filesystem
+
+    staging, storage = tmp_path / "staging", tmp_path / "storage"
+    (staging / "trial").mkdir(parents=True)
+    (staging / "experiment_state-1.json").write_text('{"trials": 2}')
+    (staging / "trial" / "result.json").write_text("x" * 300_000)
+    pafs.copy_files(str(staging), str(storage), destination_filesystem=experiment_filesystem())  # as Tune syncs
+    assert (storage / "experiment_state-1.json").read_text() == '{"trials": 2}'
+    assert (storage / "trial" / "result.json").read_text() == "x" * 300_000
+
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))}
+    killed = subprocess.run([PYTHON, "-c", _KILLED_WRITER, str(storage / "experiment_state-1.json")], env=env,
+                            capture_output=True, text=True, timeout=100)
+    assert killed.returncode == -signal.SIGKILL, killed.stderr[-2000:]
+    assert (storage / "experiment_state-1.json").read_text() == '{"trials": 2}'  # not cut short
+    leftovers = [p.name for p in storage.iterdir() if p.name.endswith(".partial")]
+    assert len(leftovers) == 1 and leftovers[0].startswith("."), leftovers  # hidden: no Tune pattern matches it

@@ -22,6 +22,7 @@ from ray import tune
 from anchor_rm.mlflow_edge.writer import OUTAGE_ENV
 from tuning.callbacks import MlflowTrialStatus, ProgressLog, ReleaseOrphans
 from tuning.orphans import record_driver, release_orphaned_placement_groups
+from tuning.storage import experiment_filesystem
 from tuning.space import METRIC, make_scheduler, make_searcher
 from tuning.trainable import DRIVER_RESOURCES, STEP_HOOK_ENV, SharedPayload, trial_driver
 
@@ -77,13 +78,14 @@ def _tuner(path: Path, trainable, param_space: dict, tune_config: tune.TuneConfi
     if resume and tune.Tuner.can_restore(str(path)):
         log.info("resuming Tune experiment %s", path)
         return tune.Tuner.restore(str(path), trainable=trainable, resume_unfinished=True, resume_errored=True,
-                                  restart_errored=False)
+                                  restart_errored=False, storage_filesystem=experiment_filesystem())
     return tune.Tuner(
         trainable,
         param_space=param_space,
         tune_config=tune_config,
         run_config=tune.RunConfig(name=path.name, storage_path=str(path.parent), callbacks=callbacks, verbose=0,
-                                  failure_config=tune.FailureConfig(max_failures=1)),
+                                  failure_config=tune.FailureConfig(max_failures=1),
+                                  storage_filesystem=experiment_filesystem()),  # a kill never leaves half a file
     )
 
 
