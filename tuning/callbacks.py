@@ -4,8 +4,6 @@ closed with the trial's real outcome (finished, stopped early by ASHA, or failed
 from __future__ import annotations
 
 import logging
-import time
-from pathlib import Path
 
 from ray.tune import Callback
 
@@ -85,21 +83,3 @@ class ProgressLog(Callback):
         log.info("trial %s finished: method=%s lambda=%s layers=%s", trial.trial_id, cfg.get("method"),
                  cfg.get("anchor_lambda"), cfg.get("anchor_layers"))
         log.debug("cluster resources free: %s", ray.available_resources())
-
-
-class ReleaseOrphans(Callback):
-    """Releases, every `period_s` while Tune runs, the placement groups an earlier killed driver of this
-    experiment left behind (tuning/orphans.py): one can appear a moment after its driver died, so a check at
-    start alone could miss it."""
-
-    def __init__(self, experiment_dir: str, period_s: float = 10.0):
-        self.experiment_dir = experiment_dir
-        self.period_s = period_s
-        self._last = float("-inf")
-
-    def on_step_begin(self, iteration, trials, **info):
-        from tuning.orphans import release_orphaned_placement_groups
-
-        if time.monotonic() - self._last >= self.period_s:
-            self._last = time.monotonic()
-            release_orphaned_placement_groups(Path(self.experiment_dir))

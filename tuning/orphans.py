@@ -8,8 +8,9 @@ was marked finished, 0.16 s after its creator actor was marked dead). Nothing re
 `ray start` cluster, which outlives the driver, it holds the trial's CPUs and the resumed search waits for
 them forever.
 
-So each driver records its Ray job in the experiment's folder (drivers.jsonl), and a driver that runs later
-releases every placement group still held by an earlier driver of the same experiment whose job has ended.
+So each driver records its Ray job in the experiment's folder (drivers.jsonl), and a driver that runs later,
+before Tune starts, waits until no attached actor of the earlier drivers' ended jobs is alive (none can then
+create a group: an event, not a time), and releases every placement group still held by one of those jobs.
 Only those: our drivers create no detached actor that makes placement groups (Ray Train's detached
 PlacementGroupCleaner makes none), so a live, non-detached group of an ended driver job of ours has no owner
 left. A group of any other job, or a detached one, is never touched. A job is named by its id and start time,
@@ -28,6 +29,7 @@ log = logging.getLogger("anchor_rm")
 
 DRIVERS_FILE = "drivers.jsonl"
 LIVE_STATES = ("CREATED", "PENDING", "RESCHEDULING")
+ACTORS_WAIT_S = 120  # a hang guard: Ray kills an ended job's actors within seconds
 
 
 @dataclass(frozen=True)
@@ -54,17 +56,16 @@ def _state_api():
     import functools
 
     import ray
-    from ray.util.state import list_jobs, list_placement_groups
+    from ray.util.state import list_actors, list_jobs, list_placement_groups
 
     address = ray.get_runtime_context().gcs_address
-    return (functools.partial(list_jobs, address=address),
-            functools.partial(list_placement_groups, address=address))
+    return tuple(functools.partial(f, address=address) for f in (list_jobs, list_placement_groups, list_actors))
 
 
 def _this_job() -> tuple[str, int]:
     import ray
 
-    list_jobs, _ = _state_api()
+    list_jobs, _, _ = _state_api()
     job_id = ray.get_runtime_context().get_job_id()
     for job in list_jobs(detail=True, raise_on_missing_output=False):
         if job.job_id == job_id:
@@ -102,9 +103,10 @@ def earlier_drivers(experiment_dir: Path) -> set[tuple[str, int]]:
     return found
 
 
-def release_orphaned_placement_groups(experiment_dir: Path) -> list[str]:
-    """Removes the placement groups `orphans` picks; returns their ids and logs one line for each. Any failure
-    to ask Ray is logged, never raised: the search goes on either way."""
+def release_orphaned_placement_groups(experiment_dir: Path, actors_wait_s: float = ACTORS_WAIT_S) -> list[str]:
+    """Once no attached actor of an ended earlier driver lives (waiting up to `actors_wait_s`), removes the
+    placement groups `orphans` picks; returns their ids and logs one line for each. Any failure to ask Ray is
+    logged, never raised: the search goes on either way."""
     import ray
     from ray.util.placement_group import PlacementGroup, remove_placement_group
 
@@ -112,9 +114,16 @@ def release_orphaned_placement_groups(experiment_dir: Path) -> list[str]:
     if len(drivers) < 2:  # this driver alone (or nothing recorded): no earlier driver to have left a group
         return []
     try:
-        list_jobs, list_placement_groups = _state_api()
+        list_jobs, list_placement_groups, list_actors = _state_api()
         ended = {(j.job_id, int(j.start_time or 0)) for j in list_jobs(detail=True, raise_on_missing_output=False)
                  if str(getattr(j.status, "value", j.status)) in ("SUCCEEDED", "FAILED", "STOPPED")}
+        ended_ids = {job for job, _ in drivers & ended}
+        if not ended_ids:
+            return []
+        alive = _wait_for_actors(list_actors, ended_ids, actors_wait_s)
+        if alive:
+            log.warning("%d actor(s) of an earlier driver that has ended still alive after %.0f s (%s): releasing "
+                        "its placement groups anyway", len(alive), actors_wait_s, ", ".join(sorted(set(alive))))
         groups = [PlacementGroupRecord(p.placement_group_id, p.creator_job_id, str(getattr(p.state, "value", p.state)),
                                        bool(p.is_detached), _resources(p.bundles))
                   for p in list_placement_groups(detail=True, limit=10_000, raise_on_missing_output=False)]
@@ -133,6 +142,19 @@ def release_orphaned_placement_groups(experiment_dir: Path) -> list[str]:
                  "that has ended", group.placement_group_id, group.resources, group.state, group.creator_job_id)
         released.append(group.placement_group_id)
     return released
+
+
+def _wait_for_actors(list_actors, job_ids: set[str], timeout_s: float) -> list[str]:
+    """Polls Ray until no attached (non-detached) actor of these jobs is alive; returns the class names of
+    those still alive at the deadline."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        alive = [a.class_name for a in list_actors(filters=[("state", "!=", "DEAD")], detail=True, limit=10_000,
+                                                   raise_on_missing_output=False)
+                 if a.job_id in job_ids and not a.is_detached]
+        if not alive or time.monotonic() >= deadline:
+            return alive
+        time.sleep(0.5)
 
 
 def _resources(bundles) -> dict:

@@ -20,7 +20,7 @@ import ray
 from ray import tune
 
 from anchor_rm.mlflow_edge.writer import OUTAGE_ENV
-from tuning.callbacks import MlflowTrialStatus, ProgressLog, ReleaseOrphans
+from tuning.callbacks import MlflowTrialStatus, ProgressLog
 from tuning.orphans import record_driver, release_orphaned_placement_groups
 from tuning.storage import experiment_filesystem
 from tuning.space import METRIC, make_scheduler, make_searcher
@@ -97,8 +97,7 @@ def run_search(payload: SharedPayload, *, num_samples: int, concurrency: int, re
     record_driver(root)
     release_orphaned_placement_groups(root)
     trainable = tune.with_resources(tune.with_parameters(trial_driver, payload=payload), DRIVER_RESOURCES)
-    callbacks = [MlflowTrialStatus(payload.tracking_uri, payload.experiment_id, payload.parent_run_id), ProgressLog(),
-                 ReleaseOrphans(str(root))]
+    callbacks = [MlflowTrialStatus(payload.tracking_uri, payload.experiment_id, payload.parent_run_id), ProgressLog()]
     epochs = payload.cfg.student_train.epochs
 
     baselines = _tuner(
