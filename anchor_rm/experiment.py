@@ -150,10 +150,17 @@ def split_digests(splits: ProtocolSplits) -> dict[str, str]:
     return digests
 
 
-def prepare_data(cfg: ProtocolConfig, experiment_id: str) -> tuple[ProtocolSplits, StageRun]:
+def build_splits(cfg: ProtocolConfig) -> ProtocolSplits:
+    """The protocol's seeded splits of its source and targets (no MLflow)."""
     loader = functools.partial(iter_dataset_pairs, from_hub=True) if cfg.from_hub else iter_dataset_pairs
-    splits = build_protocol_splits(cfg.source, cfg.targets, cfg.seed, max_pairs=cfg.max_pairs,
-                                   source_fractions=tuple(cfg.source_fractions.items()), loader=loader)
+    return build_protocol_splits(cfg.source, cfg.targets, cfg.seed, max_pairs=cfg.max_pairs,
+                                 source_fractions=tuple(cfg.source_fractions.items()), loader=loader)
+
+
+def prepare_data(cfg: ProtocolConfig, experiment_id: str,
+                 splits: ProtocolSplits | None = None) -> tuple[ProtocolSplits, StageRun]:
+    """The data stage: `splits` (built from `cfg` when not given) logged as a run keyed by their digests."""
+    splits = splits if splits is not None else build_splits(cfg)
     digests = split_digests(splits)
     for name, counts in splits.counts.items():
         log.info("data %s: %s", name, counts)
@@ -223,9 +230,10 @@ def teacher_calibration(rm: RewardModel, splits: ProtocolSplits, batch_size: int
             "calibrated": calibration(apply_temperature(q_val, fitted["temperature"]))}
 
 
-def prepare_shared(cfg: ProtocolConfig, experiment_id: str) -> SharedStages:
-    """Data, teacher (with its soft labels on student-train) and the strong ceiling, each once."""
-    splits, data = prepare_data(cfg, experiment_id)
+def prepare_shared(cfg: ProtocolConfig, experiment_id: str, splits: ProtocolSplits | None = None) -> SharedStages:
+    """Data, teacher (with its soft labels on student-train) and the strong ceiling, each once; `splits`: built
+    already from `cfg` (build_splits), or None to build them here."""
+    splits, data = prepare_data(cfg, experiment_id, splits)
     teacher = _gold_stage("teacher", cfg.teacher, cfg.teacher_train, cfg, splits, data, experiment_id,
                           splits.teacher_train, label_pairs=splits.student_train)
     ceiling = None

@@ -9,18 +9,22 @@ finished student is read back from MLflow, never trained again. Tables and plots
 
 from __future__ import annotations
 
+import json
 import logging
+import os
 import time
 from dataclasses import asdict, dataclass, field
+from datetime import datetime, timezone
+from pathlib import Path
 from typing import Callable
 
 from anchor_rm.catalog import CATEGORIES
 from anchor_rm.config import ProtocolConfig, preset
 from anchor_rm.drift import evaluate_with_drift, evaluation_reference
-from anchor_rm.experiment import STAGE_VERSION, SharedStages, prepare_shared
+from anchor_rm.experiment import STAGE_VERSION, SharedStages, build_splits, prepare_shared, split_digests
 from anchor_rm.losses import resolve_anchor_layers
 from anchor_rm.metrics import transfer_metrics
-from anchor_rm.precision import resolve_precision
+from anchor_rm.precision import cpu_model, resolve_precision
 from anchor_rm.mlflow_edge import keys, runs
 from anchor_rm.mlflow_edge.keys import cache_key, metric_name
 from anchor_rm.mlflow_edge.runs import ActiveRunSink, stage_run
@@ -32,6 +36,8 @@ from anchor_rm.workflow import evaluation_sets, frozen_reference, load_student, 
 log = logging.getLogger("anchor_rm")
 
 STUDENT_STAGE = "study-student"
+INSTANCE_STAGE = "study-instance"
+INSTANCES_DIR = "instances"  # under the study's --out folder
 DRIFT_LAYERS = ("last", "middle")  # drift is measured at both layer choices for every method
 # The study's OOD targets: the protocol's (catalog.CATEGORIES).
 STUDY_TARGETS = {category: list(spec["targets"]) for category, spec in CATEGORIES.items()}
@@ -82,6 +88,10 @@ class StudyConfig:
 
     def to_dict(self) -> dict:
         return asdict(self)
+
+    def settings(self) -> dict:
+        """What every instance of this study shares: all but the categories and seeds."""
+        return {k: v for k, v in self.to_dict().items() if k not in ("categories", "seeds")}
 
 
 def protocol_for(study: StudyConfig, category: str, seed: int) -> ProtocolConfig:
@@ -203,6 +213,11 @@ class Progress:
         how = "reused a finished run" if reused else f"{seconds:.0f} s"
         self.print_fn(f"[{self.done}/{self.total}] {label}: {how}{eta}")
 
+    def skip(self, students: int, line: str) -> None:
+        """A whole instance's `students` done without training (read back or adopted)."""
+        self.done += students
+        self.print_fn(f"[{self.done}/{self.total}] {line}")
+
 
 def _student(cfg: ProtocolConfig, shared: SharedStages, refs: _References, tc: TrainConfig,
              category: str, seed: int, experiment_id: str, label: str):
@@ -220,11 +235,98 @@ def _id_val_accuracy(run, source: str) -> float:
     return run.outputs["val"][source]["accuracy"]
 
 
-def run_instance(study: StudyConfig, category: str, seed: int, experiment_id: str, progress: Progress) -> dict:
+def instance_key(study: StudyConfig, cfg: ProtocolConfig, digests: dict[str, str]) -> str:
+    """What one instance's records depend on: its data (split digests), its protocol and the study's settings."""
+    return cache_key(STAGE_VERSION, INSTANCE_STAGE, digests, cfg.to_dict(), study.settings(), DRIFT_LAYERS)
+
+
+def instance_path(out: Path, category: str, seed: int) -> Path:
+    return Path(out) / INSTANCES_DIR / f"{category}-seed{seed}.json"
+
+
+def read_instance(path: Path, key: str) -> dict | None:
+    """The finished instance recorded at `path` when its key is `key`; None when there is none or its inputs
+    differ (it is then computed again and replaced once finished)."""
+    if not path.exists():
+        return None
+    try:
+        record = json.loads(path.read_text())
+    except json.JSONDecodeError as e:
+        raise ValueError(f"{path}: not a study instance record (line {e.lineno}: {e.msg}); move it away and the "
+                         "instance is computed again") from None
+    if not isinstance(record, dict) or not isinstance(record.get("instance"), dict) or "key" not in record:
+        raise ValueError(f"{path}: not a study instance record (no 'key' and 'instance'); move it away and the "
+                         "instance is computed again")
+    if record["key"] != key:
+        log.warning("%s: recorded for other inputs (data, protocol or study settings); computed again", path)
+        return None
+    return record["instance"]
+
+
+def write_instance(path: Path, key: str, instance: dict) -> None:
+    """Writes the record whole or not at all: a temporary file renamed over the old one."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    partial = path.with_name(f".{path.name}.{os.getpid()}.partial")
+    partial.write_text(json.dumps({"key": key, "instance": instance}, indent=1))
+    os.replace(partial, path)
+
+
+def adoptable(earlier: dict, study: StudyConfig, category: str, seed: int,
+              split_sizes: dict) -> tuple[dict | None, str]:
+    """The instance (category, seed) of an earlier study.json (`earlier`, parsed) when it was made with this
+    study's settings and the same split sizes, else None; and why."""
+    config = earlier.get("config") or {}
+    theirs = {k: v for k, v in config.items() if k not in ("categories", "seeds")}
+    if theirs != study.settings():
+        differ = sorted(k for k in set(theirs) | set(study.settings()) if theirs.get(k) != study.settings().get(k))
+        return None, f"other study settings ({', '.join(differ)})"
+    for instance in earlier.get("instances") or []:
+        if instance.get("category") == category and instance.get("seed") == seed:
+            if instance.get("split_sizes") != split_sizes:
+                return None, "other split sizes"
+            return instance, "same settings and split sizes"
+    return None, f"no {category} seed {seed}"
+
+
+def _provenance(how: str) -> dict:
+    return {"how": how, "machine": cpu_model(), "finished_at": datetime.now(timezone.utc).isoformat(timespec="seconds")}
+
+
+def run_instance(study: StudyConfig, category: str, seed: int, experiment_id: str, progress: Progress,
+                 out: Path | None = None, adopt: list[tuple[str, dict]] = ()) -> dict:
     """One protocol instance: shared stages, the budget search (when asked), then every student setting.
-    Returns its records."""
+    Returns its records. With `out`, a finished instance recorded under it with the same inputs is read back,
+    else one of `adopt` (an earlier study.json's path and contents) with the same settings and split sizes,
+    else it is computed; either way it is recorded there."""
     cfg = protocol_for(study, category, seed)
-    shared = prepare_shared(cfg, experiment_id)
+    splits = build_splits(cfg)
+    per_instance = len(student_settings(study, TrainConfig())) + len(budget_settings(study, TrainConfig()))
+    if out is not None:
+        path, key = instance_path(out, category, seed), instance_key(study, cfg, split_digests(splits))
+        instance = read_instance(path, key)
+        if instance is not None:
+            progress.skip(per_instance, f"{category} seed {seed}: reused the finished instance {path}")
+            return instance
+        sizes = {name: counts["splits"] for name, counts in splits.counts.items()}
+        for source, earlier in adopt:
+            instance, why = adoptable(earlier, study, category, seed, sizes)
+            if instance is not None:
+                earlier = {"earlier": instance["provenance"]} if "provenance" in instance else {}
+                instance = {**instance, "provenance": {"how": f"adopted from {source} ({why})", **earlier}}
+                write_instance(path, key, instance)
+                progress.skip(per_instance, f"{category} seed {seed}: adopted from {source} ({why}); recorded in {path}")
+                return instance
+            log.info("%s seed %s: not adopted from %s: %s", category, seed, source, why)
+        instance = _compute_instance(study, cfg, splits, category, seed, experiment_id, progress)
+        instance["provenance"] = _provenance("computed")
+        write_instance(path, key, instance)
+        return instance
+    return _compute_instance(study, cfg, splits, category, seed, experiment_id, progress)
+
+
+def _compute_instance(study: StudyConfig, cfg: ProtocolConfig, splits, category: str, seed: int, experiment_id: str,
+                      progress: Progress) -> dict:
+    shared = prepare_shared(cfg, experiment_id, splits)
     refs = _References(cfg, shared, study.layer_choices)
     main_labels, base, searched, naive_best = study.teacher_labels[0], cfg.student_train, [], {}
     for tc in budget_settings(study, cfg.student_train):
@@ -269,12 +371,15 @@ def run_instance(study: StudyConfig, category: str, seed: int, experiment_id: st
     }
 
 
-def run_study(study: StudyConfig, experiment_id: str, print_fn: Callable[[str], None] = print) -> list[dict]:
+def run_study(study: StudyConfig, experiment_id: str, print_fn: Callable[[str], None] = print,
+              out: Path | None = None, adopt: list[tuple[str, dict]] = ()) -> list[dict]:
+    """Every instance of `study`, in order. `out`: the folder whose instance records are read back and written
+    (run_instance); `adopt`: earlier study.json files (path, contents) whose matching instances are taken over."""
     per_instance = len(student_settings(study, TrainConfig())) + len(budget_settings(study, TrainConfig()))
     progress = Progress(len(study.categories) * len(study.seeds) * per_instance, print_fn=print_fn)
     instances = []
     for category in study.categories:
         for seed in study.seeds:
             print_fn(f"== {category}, seed {seed}: data, teacher and ceiling (reused when unchanged)")
-            instances.append(run_instance(study, category, seed, experiment_id, progress))
+            instances.append(run_instance(study, category, seed, experiment_id, progress, out, adopt))
     return instances

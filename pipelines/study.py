@@ -9,6 +9,11 @@ Every run goes to the MLflow experiment `anchor-rm-study` (--experiment). Each s
 inputs: run the same command again after an interruption and finished students are read back, not trained
 again; once all are finished, the same command only rebuilds the tables and plots (a minute). Progress lines
 say how many students are done and about how long the rest will take.
+
+Each finished (category, seed) is also recorded in <out>/instances/ with the key of its inputs: a later run
+with the same --out reads it back with no MLflow store (another machine, a fresh clone), so a long study can
+be finished a few seeds at a time. --adopt takes over the instances of an earlier study.json that were made
+with this command's settings and the same split sizes (say, seeds 0-4 of a study this one extends to 9).
 """
 
 from __future__ import annotations
@@ -71,11 +76,28 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--preset", choices=["study", "smoke"], default="study",
                    help="study: the sizes of docs/results.md; smoke: tiny, for tests")
     add_precision_argument(p)
-    p.add_argument("--out", default="docs/results", help="folder for study.json, tables.md and the plots (docs/results)")
+    p.add_argument("--out", default="docs/results",
+                   help="folder for study.json, tables.md, the plots and instances/ (docs/results)")
+    p.add_argument("--adopt", action="append", default=[], metavar="STUDY_JSON",
+                   help="an earlier study.json whose instances with this command's settings and split sizes are taken "
+                        "over instead of computed (repeatable)")
     p.add_argument("--tracking-uri", help="MLflow tracking URI (default: $MLFLOW_TRACKING_URI, else sqlite:///mlflow.db here)")
     p.add_argument("--experiment", default="anchor-rm-study", help="MLflow experiment name (default anchor-rm-study)")
     p.add_argument("--verbose", action="store_true")
     return p
+
+
+def _read_study(path: str) -> dict:
+    """An earlier study.json for --adopt, or a ValueError naming the file and what is wrong."""
+    try:
+        data = json.loads(Path(path).read_text())
+    except OSError as e:
+        raise ValueError(f"--adopt {path}: cannot read it ({e.strerror})") from None
+    except json.JSONDecodeError as e:
+        raise ValueError(f"--adopt {path}: not JSON (line {e.lineno}: {e.msg})") from None
+    if not isinstance(data, dict) or not isinstance(data.get("config"), dict) or not isinstance(data.get("instances"), list):
+        raise ValueError(f"--adopt {path}: not a study.json (it needs 'config' and 'instances')")
+    return data
 
 
 def main(argv=None) -> int:
@@ -89,11 +111,12 @@ def main(argv=None) -> int:
         study = StudyConfig(categories=args.categories, seeds=args.seeds, lambdas=args.lambdas, layer_choices=args.layers,
                             confidence_alphas=args.confidence_alphas, teacher_labels=args.teacher_labels,
                             budgets=args.budgets, preset=args.preset, precision=args.precision)
+        adopt = [(path, _read_study(path)) for path in args.adopt]
         out = Path(args.out)
         out.mkdir(parents=True, exist_ok=True)
         started = time.perf_counter()
         experiment_id = configure(args.tracking_uri, args.experiment)
-        instances = run_study(study, experiment_id, print_fn=lambda line: print(line, flush=True))
+        instances = run_study(study, experiment_id, print_fn=lambda line: print(line, flush=True), out=out, adopt=adopt)
         (out / "study.json").write_text(json.dumps({"config": study.to_dict(), "instances": instances}, indent=1))
         paths = write_study_report(instances, out)
         print(f"\nstudy finished in {time.perf_counter() - started:.0f} s; wrote {', '.join(str(p) for p in paths)}")
