@@ -277,8 +277,9 @@ def adoptable(earlier: dict, study: StudyConfig, category: str, seed: int,
     study's settings and the same split sizes, else None; and why."""
     config = earlier.get("config") or {}
     theirs = {k: v for k, v in config.items() if k not in ("categories", "seeds")}
-    if theirs != study.settings():
-        differ = sorted(k for k in set(theirs) | set(study.settings()) if theirs.get(k) != study.settings().get(k))
+    ours = json.loads(json.dumps(study.settings()))  # as study.json holds them: budgets as lists
+    if theirs != ours:
+        differ = sorted(k for k in set(theirs) | set(ours) if theirs.get(k) != ours.get(k))
         return None, f"other study settings ({', '.join(differ)})"
     for instance in earlier.get("instances") or []:
         if instance.get("category") == category and instance.get("seed") == seed:

@@ -221,11 +221,73 @@ def test_study_pipeline_runs_logs_and_resumes(tmp_path):
     assert len(runs) == 6 and set(runs["status"]) == {"FINISHED"}
     assert "metrics.drift/last/msd/pku-saferlhf" in runs.columns
 
-    again = run_pipeline("study.py", *args, cwd=tmp_path)  # resumed: nothing is trained twice
+    # the finished instance is recorded with the key of its inputs and where it was computed
+    record = tmp_path / "out" / "instances" / "harmless-seed0.json"
+    assert json.loads(record.read_text())["instance"] == instance
+    assert instance["provenance"]["how"] == "computed" and instance["provenance"]["machine"]
+    record.unlink()
+
+    again = run_pipeline("study.py", *args, cwd=tmp_path)  # resumed from MLflow: nothing is trained twice
     assert again.returncode == 0, again.stderr[-3000:]
     assert again.stdout.count("reused a finished run") == 8 and "training" not in again.stderr
     assert len(mlflow.search_runs(experiment_names=["anchor-rm-study"])) == len(runs) + 3  # + data, teacher, ceiling
-    assert json.loads((tmp_path / "out" / "study.json").read_text())["instances"] == data["instances"]
+    rerun = json.loads((tmp_path / "out" / "study.json").read_text())["instances"]
+    assert [{**i, "provenance": None} for i in rerun] == [{**i, "provenance": None} for i in data["instances"]]
+    assert record.exists()
+
+    # another machine: an empty MLflow store, the instance record (committed, copied) read back, nothing trained
+    elsewhere = [*args[:-1], f"sqlite:///{tmp_path}/elsewhere.db"]
+    third = run_pipeline("study.py", *elsewhere, cwd=tmp_path)
+    assert third.returncode == 0, third.stderr[-3000:]
+    assert "[8/8] harmless seed 0: reused the finished instance" in third.stdout and "training" not in third.stderr
+    assert json.loads((tmp_path / "out" / "study.json").read_text())["instances"] == rerun
+    mlflow.set_tracking_uri(f"sqlite:///{tmp_path}/elsewhere.db")
+    assert len(mlflow.search_runs(experiment_names=["anchor-rm-study"])) == 0
+
+    # a study that extends this one into another folder adopts its instance (same settings and split sizes)
+    extended = [*elsewhere[:elsewhere.index("--out")], "--out", str(tmp_path / "out2"), *elsewhere[elsewhere.index("--out") + 2:],
+                "--adopt", str(tmp_path / "out" / "study.json")]
+    fourth = run_pipeline("study.py", *extended, cwd=tmp_path)
+    assert fourth.returncode == 0, fourth.stderr[-3000:]
+    assert "[8/8] harmless seed 0: adopted from" in fourth.stdout and "training" not in fourth.stderr
+    (adopted,) = json.loads((tmp_path / "out2" / "study.json").read_text())["instances"]
+    assert adopted["provenance"]["how"].startswith("adopted from") and adopted["provenance"]["earlier"]["how"] == "computed"
+    assert {**adopted, "provenance": None} == {**rerun[0], "provenance": None}
+    assert (tmp_path / "out2" / "instances" / "harmless-seed0.json").exists()
+
+
+def test_instance_records_are_keyed_by_their_inputs_and_a_bad_one_is_named(tmp_path):
+    from anchor_rm.study import instance_path, read_instance, write_instance
+
+    path = instance_path(tmp_path, "harmless", 3)
+    assert path == tmp_path / "instances" / "harmless-seed3.json" and read_instance(path, "k1") is None
+    write_instance(path, "k1", {"seed": 3, "students": []})
+    assert read_instance(path, "k1") == {"seed": 3, "students": []}
+    assert read_instance(path, "k2") is None  # other inputs: computed again
+    assert [p.name for p in path.parent.iterdir()] == ["harmless-seed3.json"]  # no temporary file left
+    path.write_text('{"key": "k1", "instance": ')
+    with pytest.raises(ValueError, match=r"harmless-seed3.json: not a study instance record \(line 1"):
+        read_instance(path, "k1")
+    path.write_text('{"seed": 3}')
+    with pytest.raises(ValueError, match="no 'key' and 'instance'"):
+        read_instance(path, "k1")
+
+
+def test_an_earlier_instance_is_adopted_only_with_the_same_settings_and_split_sizes():
+    from anchor_rm.study import StudyConfig, adoptable
+
+    study = StudyConfig(categories=["harmless"], seeds=[0, 1, 5], lambdas=[1e-3], budgets=[(1e-4, 2)], precision="fp32")
+    sizes = {"pku-saferlhf": {"id_test": 661}, "safetext": {"test": 400}}
+    earlier = {"config": json.loads(json.dumps({**study.to_dict(), "seeds": [0, 1]})),  # as read from study.json
+               "instances": [{"category": "harmless", "seed": 0, "split_sizes": sizes, "students": []},
+                             {"category": "harmless", "seed": 1, "split_sizes": {**sizes, "safetext": {"test": 399}}}]}
+    instance, why = adoptable(earlier, study, "harmless", 0, sizes)
+    assert instance is earlier["instances"][0] and why == "same settings and split sizes"
+    assert adoptable(earlier, study, "harmless", 1, sizes) == (None, "other split sizes")
+    assert adoptable(earlier, study, "harmless", 5, sizes) == (None, "no harmless seed 5")
+    assert adoptable(earlier, study, "helpful", 0, sizes) == (None, "no helpful seed 0")
+    other = StudyConfig(categories=["harmless"], seeds=[0], lambdas=[1e-3, 1e-2], confidence_alphas=[0.5], precision="fp32")
+    assert adoptable(earlier, other, "harmless", 0, sizes) == (None, "other study settings (budgets, confidence_alphas, lambdas)")
 
 
 def test_study_cli_names_bad_arguments(tmp_path):
@@ -235,6 +297,13 @@ def test_study_cli_names_bad_arguments(tmp_path):
     bad = run_pipeline("study.py", "--seeds", "a", cwd=tmp_path)
     assert bad.returncode == 2 and "comma-separated integers" in bad.stderr
     assert not (tmp_path / "o").exists()  # refused before anything was written
+    (tmp_path / "old.json").write_text('{"config": {}, "instances": ')
+    bad = run_pipeline("study.py", "--adopt", str(tmp_path / "old.json"), "--out", str(tmp_path / "o"),
+                       "--tracking-uri", f"sqlite:///{tmp_path}/m.db", cwd=tmp_path)
+    assert bad.returncode == 2 and f"--adopt {tmp_path / 'old.json'}: not JSON (line 1" in bad.stderr
+    bad = run_pipeline("study.py", "--adopt", str(tmp_path / "none.json"), "--out", str(tmp_path / "o"), cwd=tmp_path)
+    assert bad.returncode == 2 and "none.json: cannot read it (No such file or directory)" in bad.stderr
+    assert not (tmp_path / "o").exists()
 
 
 def _bits(accuracy_points: int, n: int = 100) -> str:
