@@ -75,6 +75,30 @@ def test_collate_pads_right_and_masks(minilm_tokenizer):
     assert torch.all(batch["anchor_mask"] <= batch["attention_mask"])
 
 
+def test_scoring_runs_in_eval_mode_and_leaves_the_model_in_its_mode(minilm_tokenizer, tiny_bert):
+    model = tiny_bert(0)
+    model.config.hidden_dropout_prob = model.config.attention_probs_dropout_prob = 0.5
+    for module in model.modules():
+        if isinstance(module, torch.nn.Dropout):
+            module.p = 0.5  # in training mode two calls would differ
+    scorer = RewardScorer(model, RewardEncoder(minilm_tokenizer, 64, decoder=False), batch_size=8)
+    model.train()
+    first, second = scorer.score(["a prompt"] * 3, ["one", "two words", "three more words"]).rewards, \
+        scorer.score(["a prompt"] * 3, ["one", "two words", "three more words"]).rewards
+    assert (first == second).all() and all(m.training for m in model.modules())  # scored in eval, restored
+    model.eval()
+    model.classifier.train()  # one module left in training mode: still scored in eval mode, then restored
+    assert (scorer.score(["a prompt"] * 3, ["one", "two words", "three more words"]).rewards == first).all()
+    assert model.classifier.training and not model.training
+
+    model.eval()
+    walks = []
+    model.eval = lambda: walks.append("eval")  # a model in eval mode is not walked again per call
+    model.train = lambda mode=True: walks.append("train")
+    assert (scorer.score(["a prompt"] * 3, ["one", "two words", "three more words"]).rewards == first).all()
+    assert walks == []
+
+
 def test_a_reward_does_not_depend_on_its_batch(minilm_tokenizer, tiny_bert):
     enc = RewardEncoder(minilm_tokenizer, 64, decoder=False)
     scorer = RewardScorer(tiny_bert(0), enc, batch_size=8)
