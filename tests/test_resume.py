@@ -39,6 +39,11 @@ NAME = "anchor-rm-helpful"
 # smoke: 48 pairs, batch 8 -> 6 steps per epoch. The worker holds at one of these steps, and the test kills the
 # driver: step 2 is in epoch 0 (no checkpoint yet), step 8 mid-way through epoch 1.
 HOLD_STEPS = {"first-epoch": 2, "mid-epoch": 8}
+# What the driver has logged before the test kills it, where the point needs it: mid-epoch 1, the driver has
+# had epoch 0's result. The worker holds once Ray Train's controller has collected epoch 0's checkpoint; the
+# result reaches Tune's driver after that, and on a fast CPU (M1, 2026-12-06) the driver was once killed
+# before it had logged it.
+DRIVER_SAW = {"mid-epoch": r"trial \w+ epoch 0:"}
 POINTS = ("trial-start", "first-epoch", "mid-epoch", "trial-complete", "final-evaluation", "registration")
 TIMEOUT_S = 2400  # a hang guard
 
@@ -58,6 +63,9 @@ def _kill_at(point: str, args: list[str], env: dict, tmp_path: Path, address: st
         hook = f"{Path(__file__).parent / 'fault_hooks.py'}:hold_at:{HOLD_STEPS[point]}:{held}"
         driver = _driver(args, {**env, STEP_HOOK_ENV: hook}, log_path)
         while not held.exists() and driver.poll() is None and time.time() < deadline:
+            time.sleep(0.5)
+        while point in DRIVER_SAW and not re.search(DRIVER_SAW[point], log_path.read_text()) \
+                and driver.poll() is None and time.time() < deadline:
             time.sleep(0.5)
         if held.exists():
             driver.send_signal(signal.SIGKILL)
