@@ -289,8 +289,9 @@ def adoptable(earlier: dict, study: StudyConfig, category: str, seed: int,
     return None, f"no {category} seed {seed}"
 
 
-def _provenance(how: str) -> dict:
-    return {"how": how, "machine": cpu_model(), "finished_at": datetime.now(timezone.utc).isoformat(timespec="seconds")}
+def _computed_here() -> dict:
+    """Where and when an instance was computed (its record's `provenance`)."""
+    return {"how": "computed", "machine": cpu_model(), "finished_at": datetime.now(timezone.utc).isoformat(timespec="seconds")}
 
 
 def run_instance(study: StudyConfig, category: str, seed: int, experiment_id: str, progress: Progress,
@@ -312,14 +313,14 @@ def run_instance(study: StudyConfig, category: str, seed: int, experiment_id: st
         for source, earlier in adopt:
             instance, why = adoptable(earlier, study, category, seed, sizes)
             if instance is not None:
-                earlier = {"earlier": instance["provenance"]} if "provenance" in instance else {}
-                instance = {**instance, "provenance": {"how": f"adopted from {source} ({why})", **earlier}}
+                before = {"earlier": instance["provenance"]} if "provenance" in instance else {}
+                instance = {**instance, "provenance": {"how": f"adopted from {source} ({why})", **before}}
                 write_instance(path, key, instance)
                 progress.skip(per_instance, f"{category} seed {seed}: adopted from {source} ({why}); recorded in {path}")
                 return instance
             log.info("%s seed %s: not adopted from %s: %s", category, seed, source, why)
         instance = _compute_instance(study, cfg, splits, category, seed, experiment_id, progress)
-        instance["provenance"] = _provenance("computed")
+        instance["provenance"] = _computed_here()
         write_instance(path, key, instance)
         return instance
     return _compute_instance(study, cfg, splits, category, seed, experiment_id, progress)
