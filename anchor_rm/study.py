@@ -67,6 +67,9 @@ class StudyConfig:
             raise ValueError(f"categories must be among {', '.join(STUDY_TARGETS)}, got {self.categories}")
         if not self.seeds or len(set(self.seeds)) != len(self.seeds):
             raise ValueError(f"seeds must be distinct and at least one, got {self.seeds}")
+        # As floats, as the command line gives them: 10 and 10.0 are one setting, and one key (instance_key).
+        self.lambdas = [float(lam) for lam in self.lambdas]
+        self.confidence_alphas = [float(alpha) for alpha in self.confidence_alphas]
         if any(lam <= 0 for lam in self.lambdas):
             raise ValueError(f"lambdas must be > 0 (lambda 0 is the naive row), got {self.lambdas}")
         for choice in self.layer_choices:

@@ -286,6 +286,10 @@ def test_an_earlier_instance_is_adopted_only_with_the_same_settings_and_split_si
     assert adoptable(earlier, study, "harmless", 1, sizes) == (None, "other split sizes")
     assert adoptable(earlier, study, "harmless", 5, sizes) == (None, "no harmless seed 5")
     assert adoptable(earlier, study, "helpful", 0, sizes) == (None, "no helpful seed 0")
+    typed_otherwise = StudyConfig(categories=["harmless"], seeds=[0], lambdas=[0.001], budgets=[(1e-4, 2)],
+                                  confidence_alphas=[0.5, 0.75], precision="fp32")
+    assert adoptable(earlier, typed_otherwise, "harmless", 0, sizes)[0] is instance
+    assert StudyConfig(lambdas=[10], confidence_alphas=[1]).settings() == StudyConfig(lambdas=[10.0], confidence_alphas=[1.0]).settings()
     other = StudyConfig(categories=["harmless"], seeds=[0], lambdas=[1e-3, 1e-2], confidence_alphas=[0.5], precision="fp32")
     assert adoptable(earlier, other, "harmless", 0, sizes) == (None, "other study settings (budgets, confidence_alphas, lambdas)")
 
