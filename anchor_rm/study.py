@@ -239,8 +239,12 @@ def _id_val_accuracy(run, source: str) -> float:
 
 
 def instance_key(study: StudyConfig, cfg: ProtocolConfig, digests: dict[str, str]) -> str:
-    """What one instance's records depend on: its data (split digests), its protocol and the study's settings."""
-    return cache_key(STAGE_VERSION, INSTANCE_STAGE, digests, cfg.to_dict(), study.settings(), DRIFT_LAYERS)
+    """What one instance's records depend on: its data (the split digests, which stand for the source, targets,
+    seed, fractions and caps), the models and their training (as the stage keys take them: TrainConfig.key_dict,
+    so that an option added later keys nothing until it is set), the evaluation, and the study's settings."""
+    return cache_key(STAGE_VERSION, INSTANCE_STAGE, digests, cfg.student, cfg.teacher, cfg.teacher_train.key_dict(),
+                     cfg.student_train.key_dict(), cfg.train_ceiling, cfg.eval_batch_size, cfg.precision,
+                     study.settings(), DRIFT_LAYERS)
 
 
 def instance_path(out: Path, category: str, seed: int) -> Path:

@@ -273,6 +273,23 @@ def test_instance_records_are_keyed_by_their_inputs_and_a_bad_one_is_named(tmp_p
         read_instance(path, "k1")
 
 
+def test_an_instance_key_follows_its_data_training_and_settings():
+    from anchor_rm.study import StudyConfig, instance_key, protocol_for
+
+    study = StudyConfig(categories=["harmless"], seeds=[0], lambdas=[1e-3], precision="fp32")
+    cfg, digests = protocol_for(study, "harmless", 0), {"pku-saferlhf/id_test": "d1"}
+    key = instance_key(study, cfg, digests)
+    assert instance_key(study, protocol_for(study, "harmless", 0), dict(digests)) == key
+    assert instance_key(study, cfg, {"pku-saferlhf/id_test": "d2"}) != key  # other data
+    slower = protocol_for(study, "harmless", 0)
+    slower.student_train.learning_rate *= 3
+    assert instance_key(study, slower, digests) != key  # other training
+    assert instance_key(StudyConfig(categories=["harmless"], seeds=[0], lambdas=[1e-2], precision="fp32"), cfg, digests) != key
+    gated = protocol_for(study, "harmless", 0)
+    gated.min_gap = 5.0  # the study applies no gap gate: not part of what an instance depends on
+    assert instance_key(study, gated, digests) == key
+
+
 def test_an_earlier_instance_is_adopted_only_with_the_same_settings_and_split_sizes():
     from anchor_rm.study import StudyConfig, adoptable
 
