@@ -11,6 +11,11 @@ medians of the undisturbed repeats and each over the plain loop's median.
 
     .venv/bin/python bench/bench_service.py                       # MiniLM-L6, max length 192, 3 x 10 s per cell (~5 min)
     .venv/bin/python bench/bench_service.py --seconds 5 --repeats 1 --model tiny --concurrency 1,8
+    .venv/bin/python bench/bench_service.py --skip no-batching --service-env OMP_WAIT_POLICY=PASSIVE
+
+`--service-env NAME=VALUE[,NAME=VALUE]` (repeatable) adds a batching server whose process gets those
+environment variables on top, measured in the same rounds as the others: a candidate setting against the
+default in one run.
 
 Pairs are (prompt, chosen) and (prompt, rejected) of the shipped HH helpful-base test split: long
 multi-turn prompts, truncated from the left to the model's max length as evaluation does. The clients run on
@@ -56,6 +61,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--device", default="cpu", help="where the service and the plain loop score: cpu, cuda or "
                         "cuda:N (ANCHOR_RM_DEVICE)")
     parser.add_argument("--skip", default="", help="comma-separated parts to skip: batching,no-batching,loop")
+    parser.add_argument("--service-env", action="append", default=[], metavar="NAME=VALUE[,NAME=VALUE]",
+                        help="an extra batching server with these environment variables (repeatable)")
     parser.add_argument("--out", help="also write the figures as JSON here")
     return parser.parse_args(argv)
 
@@ -126,14 +133,27 @@ def warm_up(url: str, pairs: list[tuple[str, str]]) -> None:
             http.post("/score", json={"items": [{"prompt": prompt, "response": response}]}).raise_for_status()
 
 
+def parse_service_env(text: str) -> dict[str, str]:
+    """'A=1,B=2' -> {'A': '1', 'B': '2'}; a clear error for anything else."""
+    env = {}
+    for part in filter(None, text.split(",")):
+        name, sep, value = part.partition("=")
+        if not sep or not name.strip():
+            raise SystemExit(f"--service-env {text!r}: expected NAME=VALUE[,NAME=VALUE], got {part!r}")
+        env[name.strip()] = value
+    return env
+
+
 def serve(workdir: Path, batching: bool, max_batch_size: int, precision: str,
-          forward_batch_size: int = 8, device: str = "cpu") -> tuple[subprocess.Popen, str]:
+          forward_batch_size: int = 8, device: str = "cpu", extra_env: dict[str, str] | None = None,
+          name: str | None = None) -> tuple[subprocess.Popen, str]:
+    name = name or ("batching" if batching else "no-batching")
     return start_service(workdir, {"ANCHOR_RM_DEVICE": device,
         "MLFLOW_TRACKING_URI": f"sqlite:///{workdir / 'mlflow.db'}", "ANCHOR_RM_POLL_SECONDS": "0",
         "ANCHOR_RM_BATCHING": "1" if batching else "0", "ANCHOR_RM_MAX_BATCH_SIZE": str(max_batch_size),
         "ANCHOR_RM_PRECISION": precision, "ANCHOR_RM_FORWARD_BATCH_SIZE": str(forward_batch_size),
-        "ANCHOR_RM_DOWNLOAD_DIR": str(workdir / f"downloads-{int(batching)}")},
-        log_name=f"serve-{'batching' if batching else 'no-batching'}.log")
+        "ANCHOR_RM_DOWNLOAD_DIR": str(workdir / f"downloads-{name}"), **(extra_env or {})},
+        log_name=f"serve-{name}.log")
 
 
 class PlainLoop:
@@ -175,6 +195,7 @@ class PlainLoop:
 def main(argv=None) -> int:
     args = parse_args(argv)
     concurrencies = [int(c) for c in args.concurrency.split(",") if c]
+    variants = [parse_service_env(text) for text in args.service_env]
     skip = set(filter(None, args.skip.split(",")))
     workdir = Path(tempfile.mkdtemp(prefix="anchor-rm-bench-"))
     print(f"workdir {workdir}", flush=True)
@@ -206,6 +227,10 @@ def main(argv=None) -> int:
             if label not in skip:
                 servers[f"service, batching {'on' if batching else 'off'}"] = serve(
                     workdir, batching, args.max_batch_size, args.precision, args.forward_batch_size, args.device)
+        for i, env in enumerate(variants):
+            label = ",".join(f"{k}={v}" for k, v in env.items())
+            servers[f"service, batching on, {label}"] = serve(workdir, True, args.max_batch_size, args.precision,
+                                                              args.forward_batch_size, args.device, env, f"variant-{i}")
         for proc, url in servers.values():
             warm_up(url, pairs)
             drive(url, pairs, 8, 3, args.pairs_per_request)
