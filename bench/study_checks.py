@@ -349,9 +349,10 @@ def item10(h5, rows) -> None:
         return
     targets = list(dict.fromkeys(t for h in sorted(headlines, key=len, reverse=True) for t in h))
     print(f"headline targets: {', '.join(targets)}")
+    usual = max(headlines, key=headlines.count)
     for inst, h in zip(h5, headlines):
-        if h != headlines[0]:
-            print(f"  seed {inst['seed']}'s headline: {', '.join(h)} (the others: {', '.join(headlines[0])})")
+        if h != usual:
+            print(f"  seed {inst['seed']}'s headline: {', '.join(h)} (most seeds': {', '.join(usual)})")
     for label in (NAIVE, TUNED_LAST):
         print(f"  {label}: " + "; ".join(
             f"NTS {t} per seed {seeds_text([m[f'nts {t}'] for m in per_label[label]])}" for t in targets))
