@@ -15,7 +15,7 @@ from typing import Callable, Sequence
 import numpy as np
 
 from anchor_rm.mlflow_edge.keys import validation_metrics
-from anchor_rm.metrics import transfer_metrics
+from anchor_rm.metrics import accuracy_standard_error, transfer_metrics
 from anchor_rm.workflow import scores_from_dict
 
 Metrics = dict  # one model in one protocol instance: id_acc, wrg, aog{}, nts{}, mean_nts, pgr, drift, ...
@@ -194,6 +194,58 @@ def teacher_table(instances: Sequence[dict]) -> list[str]:
             f"{labels} {lr:g}/{epochs}: {acc:.2f}" for (labels, lr, epochs), acc in preferred) +
             f". Validation prefers {preferred[0][0][0]} labels at learning rate {preferred[0][0][1]:g}, "
             f"{preferred[0][0][2]} epochs."]
+    return lines
+
+
+def id_gap(instance: dict) -> tuple[float, float, float] | None:
+    """The strong ceiling minus the weak teacher in ID test accuracy (points), with a 95% normal interval:
+    paired over the test pairs when both carry per-pair outcomes, else from the two binomial standard errors.
+    None without a ceiling."""
+    ceiling = (instance.get("ceiling_scores") or {}).get("test")
+    if not ceiling:
+        return None
+    source = instance["source"]
+    t, c = instance["teacher_scores"]["test"][source], ceiling[source]
+    gap = c["accuracy"] - t["accuracy"]
+    if t.get("correct") and c.get("correct") and len(t["correct"]) == len(c["correct"]):
+        d = (np.frombuffer(c["correct"].encode(), np.uint8).astype(float)
+             - np.frombuffer(t["correct"].encode(), np.uint8).astype(float))
+        se = 100 * float(np.std(d, ddof=1)) / math.sqrt(len(d)) if len(d) > 1 else 0.0
+    else:
+        se = math.hypot(accuracy_standard_error(t["accuracy"], t["n_pairs"]),
+                        accuracy_standard_error(c["accuracy"], c["n_pairs"]))
+    return gap, gap - 1.96 * se, gap + 1.96 * se
+
+
+def gap_table(instances: Sequence[dict]) -> list[str]:
+    """Per seed: the weak-to-strong gap the protocol gives (ceiling minus teacher on ID test, with its interval
+    and verdict), and which OOD targets the headline averages and which are flagged, and why: what every row of
+    that seed stands on."""
+    lines = ["| seed | teacher ID acc (n) | ceiling ID acc | gap: ceiling minus teacher (95% CI) | gap | headline targets "
+             "| flagged targets |", "|---|---|---|---|---|---|---|"]
+    unclear = []
+    for inst in instances:
+        source = inst["source"]
+        teacher = inst["teacher_scores"]["test"][source]
+        gap = id_gap(inst)
+        if gap is None:
+            ceiling_cell = gap_cell = verdict = "-"
+        else:
+            ceiling_cell = f"{inst['ceiling_scores']['test'][source]['accuracy']:.1f}"
+            gap_cell = f"{gap[0]:+.1f} ({gap[1]:+.1f} to {gap[2]:+.1f})"
+            verdict = "clear" if gap[1] > 0 else ("ceiling below" if gap[2] < 0 else "within noise")
+            if verdict != "clear":
+                unclear.append(str(inst["seed"]))
+        flags = "; ".join(f"{t}: {why}" for t, why in (inst.get("target_flags") or {}).items()) or "-"
+        headline = ", ".join(inst.get("headline_targets") or inst["targets"])
+        if inst.get("headline_note"):
+            headline += f" ({inst['headline_note']})"
+        lines.append(f"| {inst['seed']} | {teacher['accuracy']:.1f} ({teacher['n_pairs']}) | {ceiling_cell} | {gap_cell} "
+                     f"| {verdict} | {headline} | {flags} |")
+    clear = len(instances) - len(unclear)
+    lines += ["", f"The gap is clear (its 95% interval above zero) on {clear} of {len(instances)} seeds"
+              + (f"; on seed(s) {', '.join(unclear)} this category's weak-to-strong rows stand on a protocol without a "
+                 "clear gap." if unclear else ".")]
     return lines
 
 
@@ -390,6 +442,7 @@ def write_study_report(instances: list[dict], out: str | Path) -> list[Path]:
         lines += [f"## {cat}: source {first['source']}, student {first['student']}, teacher {first['teacher']}", "",
                   f"Seeds: {', '.join(str(i['seed']) for i in insts)}. Test pairs per seed: {sizes}.", ""]
         lines += main_table(rows) + [""]
+        lines += [f"### {cat}: the weak-to-strong gap and the headline, per seed", ""] + gap_table(insts) + [""]
         lines += teacher_table(insts) + [""]
         lines += [f"### {cat}: per OOD target (AOG and NTS, points)", ""] + target_table(rows, first["targets"]) + [""]
         lines += [f"### {cat}: the primary comparison (fixed before the run)", "",

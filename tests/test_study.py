@@ -362,3 +362,30 @@ def test_the_primary_comparison_is_written_first_with_its_bootstrap(tmp_path):
     primary = text.index("the primary comparison (fixed before the run)")
     assert primary < text.index("paired comparisons (per seed")
     assert "  - seed 0: +2.00, paired bootstrap over test pairs (2,000 resamples) 95% interval" in text
+
+
+def test_the_gap_table_marks_each_seed_by_its_ceiling_over_teacher_interval_and_names_flagged_targets(tmp_path):
+    from anchor_rm.study_report import gap_table, id_gap, write_study_report
+
+    clear, unclear = _instance(0, {1e-3: 4.0}, {1e-3: 61.0}), _instance(1, {1e-3: 4.0}, {1e-3: 61.0})
+    # Seed 0, paired: the ceiling gets right every pair the teacher does and 6 more of 100: +6, SE 2.39 -> clear.
+    clear["teacher_scores"]["test"]["src"]["correct"] = _bits(60)
+    clear["ceiling_scores"]["test"]["src"] = {**_s(66), "correct": _bits(66)}
+    gap, low, high = id_gap(clear)
+    assert math.isclose(gap, 6.0) and math.isclose(high - gap, 1.96 * 100 * math.sqrt(0.06 * 0.94 * 100 / 99) / 10)
+    assert low > 0
+    # Seed 1, no per-pair outcomes: the two binomial errors, 60 and 66 of 100: +6 within noise.
+    gap, low, high = id_gap(unclear)
+    assert math.isclose(gap, 6.0) and low < 0 < high
+    unclear["headline_targets"] = ["ood"]  # the fallback: every target of headline size, with a note
+    unclear["headline_note"] = "no target of headline size shows a clear transfer signal"
+    unclear["target_flags"] = {"ood": "no clear transfer signal: the strong ceiling scores 55.0 on its 100 validation pairs"}
+    lines = gap_table([clear, unclear])
+    assert lines[2].startswith("| 0 | 60.0 (100) | 66.0 | +6.0 (+1.3 to +10.7) | clear | ood | - |")
+    assert "| within noise | ood (no target of headline size shows a clear transfer signal) | ood: no clear transfer" in lines[3]
+    assert lines[-1] == ("The gap is clear (its 95% interval above zero) on 1 of 2 seeds; on seed(s) 1 this category's "
+                         "weak-to-strong rows stand on a protocol without a clear gap.")
+    del clear["ceiling_scores"]
+    assert id_gap(clear) is None and "| 0 | 60.0 (100) | - | - | - |" in gap_table([clear])[2]
+    write_study_report([unclear], tmp_path)
+    assert "### helpful: the weak-to-strong gap and the headline, per seed" in (tmp_path / "tables.md").read_text()
