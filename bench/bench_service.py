@@ -3,11 +3,13 @@
 Registers a reward model in a temporary MLflow store and starts two real `bentoml serve` processes on
 127.0.0.1, one with batching on and one with it off (ANCHOR_RM_BATCHING=0); loads the same model in a plain
 transformers loop (tokenizer + AutoModelForSequenceClassification, one pair at a time, no service) in the
-precision the service resolved `--precision` to. Every setup first scores every pair once (warm-up). Then,
+precision the service resolved `--precision` to; where that is bf16 on a CPU, a second plain loop holds the
+matmul weights in bf16 as the service does (scoring.cast_matmul_weights_once), so that the service's own
+overhead can be told from that saving. Every setup first scores every pair once (warm-up). Then,
 `--repeats` times, interleaved: the plain loop, and /score driven by 1, 8 and 32 concurrent clients on each
 server, each cell for a fixed time. Prints every repeat, with how much CPU other processes took meanwhile
 (the servers and the clients excepted; more than 10%: "disturbed", bench/bench_common.Disturbance), then the
-medians of the undisturbed repeats and each over the plain loop's median.
+medians of the undisturbed repeats and each over the plain loop's median (and the cast loop's).
 
     .venv/bin/python bench/bench_service.py                       # MiniLM-L6, max length 192, 3 x 10 s per cell (~5 min)
     .venv/bin/python bench/bench_service.py --seconds 5 --repeats 1 --model tiny --concurrency 1,8
@@ -60,7 +62,8 @@ def parse_args(argv=None) -> argparse.Namespace:
                         help="ANCHOR_RM_PRECISION for the service; the plain loop runs in what it resolves to")
     parser.add_argument("--device", default="cpu", help="where the service and the plain loop score: cpu, cuda or "
                         "cuda:N (ANCHOR_RM_DEVICE)")
-    parser.add_argument("--skip", default="", help="comma-separated parts to skip: batching,no-batching,loop")
+    parser.add_argument("--skip", default="", help="comma-separated parts to skip: batching,no-batching,loop,loop-cast "
+                        "(the second plain loop, with the service's bf16 weights)")
     parser.add_argument("--service-env", action="append", default=[], metavar="NAME=VALUE[,NAME=VALUE]",
                         help="an extra batching server with these environment variables (repeatable)")
     parser.add_argument("--out", help="also write the figures as JSON here")
@@ -160,13 +163,18 @@ class PlainLoop:
     """One pair at a time through transformers: the tokenizer (prompt cut from the left) and the model, under
     bf16 autocast where `precision` is bf16 (what the service scores in). Loaded and warmed once."""
 
-    def __init__(self, folder: Path, pairs: list[tuple[str, str]], max_length: int, precision: str, device: str = "cpu"):
+    def __init__(self, folder: Path, pairs: list[tuple[str, str]], max_length: int, precision: str, device: str = "cpu",
+                 cast_once: bool = False):
         import torch
         from transformers import AutoModelForSequenceClassification, AutoTokenizer
 
         self.tokenizer = AutoTokenizer.from_pretrained(folder)
         self.tokenizer.truncation_side = "left"
         self.model = AutoModelForSequenceClassification.from_pretrained(folder).eval().to(device)
+        if cast_once:  # what the service does on a bf16 CPU (scoring.cast_matmul_weights_once)
+            from anchor_rm.scoring import cast_matmul_weights_once
+
+            cast_matmul_weights_once(self.model, torch.bfloat16)
         self.pairs, self.max_length, self.precision = pairs, max_length, precision
         self.device = torch.device(device)
         for prompt, response in pairs:  # warm-up: every pair once, as the service gets (see warm_up)
@@ -234,15 +242,20 @@ def main(argv=None) -> int:
         for proc, url in servers.values():
             warm_up(url, pairs)
             drive(url, pairs, 8, 3, args.pairs_per_request)
-        loop = None if "loop" in skip else PlainLoop(folder, pairs, args.max_length, precision, args.device)
+        loops = {}
+        if "loop" not in skip:
+            loops[f"plain transformers loop, one pair at a time ({precision})"] = PlainLoop(
+                folder, pairs, args.max_length, precision, args.device)
+            if precision == "bf16" and args.device == "cpu" and "loop-cast" not in skip:
+                loops["plain transformers loop, matmul weights cast to bf16 once, as the service does"] = PlainLoop(
+                    folder, pairs, args.max_length, precision, args.device, cast_once=True)
         pids = [proc.pid for proc, _ in servers.values()]
         # Repeats interleave every setup, so that a slow minute of the shared machine hits all of them alike.
         for repeat in range(1, args.repeats + 1):
-            if loop is not None:
+            for setup, loop in loops.items():
                 with Disturbance(others_than=pids) as d:
                     cell = loop.measure(args.seconds)
-                cell.update({"setup": f"plain transformers loop, one pair at a time ({precision})",
-                             "concurrency": 1, "repeat": repeat, "others": d.fraction})
+                cell.update({"setup": setup, "concurrency": 1, "repeat": repeat, "others": d.fraction})
                 results["cells"].append(cell)
                 print(json.dumps(cell), flush=True)
             for setup, (proc, url) in servers.items():
@@ -268,6 +281,10 @@ def main(argv=None) -> int:
 
     loop_setup = next((c["setup"] for c in results["cells"] if c["setup"].startswith("plain")), None)
     loop_median = median([c["pairs_per_s"] for c in undisturbed(loop_setup, 1)]) if loop_setup else None
+    cast_setup = next((c["setup"] for c in results["cells"] if c["setup"].startswith("plain") and "cast" in c["setup"]),
+                      None)
+    cast_cells = undisturbed(cast_setup, 1) if cast_setup else []
+    cast_median = median([c["pairs_per_s"] for c in cast_cells]) if cast_cells else None
     print("Every repeat:\n")
     print("| repeat | setup | clients | pairs/s | p50 ms | p99 ms | requests | errors | other processes |")
     print("|---:|---|---:|---:|---:|---:|---:|---:|---:|")
@@ -275,9 +292,10 @@ def main(argv=None) -> int:
         print(f"| {c['repeat']} | {c['setup']} | {c['concurrency']} | {c['pairs_per_s']:.1f} | {c['p50_ms']:.1f} | "
               f"{c['p99_ms']:.1f} | {c['requests']} | {c['errors']} | {c['others']:.0%}"
               f"{' disturbed' if c['others'] > Disturbance.DISTURBED else ''} |")
-    print("\nMedians of the undisturbed repeats, and over the plain loop's median:\n")
-    print("| setup | clients | pairs/s | over plain loop | p50 ms | p99 ms |")
-    print("|---|---:|---:|---:|---:|---:|")
+    print("\nMedians of the undisturbed repeats, and over the plain loop's median (and over the loop with the "
+          "service's bf16 weights, where it ran):\n")
+    print("| setup | clients | pairs/s | over plain loop | over cast loop | p50 ms | p99 ms |")
+    print("|---|---:|---:|---:|---:|---:|---:|")
     seen = []
     for c in results["cells"]:
         key = (c["setup"], c["concurrency"])
@@ -286,11 +304,12 @@ def main(argv=None) -> int:
         seen.append(key)
         cells = undisturbed(*key)
         if not cells:
-            print(f"| {key[0]} | {key[1]} | every repeat disturbed | | | |")
+            print(f"| {key[0]} | {key[1]} | every repeat disturbed | | | | |")
             continue
         rate = median([x["pairs_per_s"] for x in cells])
         ratio = f"{rate / loop_median:.2f}" if loop_median else "-"
-        print(f"| {key[0]} | {key[1]} | {rate:.1f} | {ratio} | {median([x['p50_ms'] for x in cells]):.1f} | "
+        cast_ratio = f"{rate / cast_median:.2f}" if cast_median else "-"
+        print(f"| {key[0]} | {key[1]} | {rate:.1f} | {ratio} | {cast_ratio} | {median([x['p50_ms'] for x in cells]):.1f} | "
               f"{median([x['p99_ms'] for x in cells]):.1f} |")
     if args.out:
         Path(args.out).write_text(json.dumps(results, indent=2))

@@ -130,6 +130,7 @@ def load_served_model(uri: str, download_dir: str | Path, batch_size: int = 32, 
     from anchor_rm.mlflow_edge import registry
     from anchor_rm.mlflow_edge.model_package import parse_registry_uri, resolve_model_uri
     from anchor_rm.precision import resolve_precision
+    from anchor_rm.scoring import cast_matmul_weights_once
     from anchor_rm.workflow import load_saved
 
     resolved = resolve_model_uri(uri, download_dir)
@@ -145,6 +146,10 @@ def load_served_model(uri: str, download_dir: str | Path, batch_size: int = 32, 
         # A GPU computing in bf16 holds the weights in bf16 too: half the memory of fp32 (16 GB for 8B). The
         # reward head still computes in fp32 (scoring.fp32_reward_head). Untested here: no GPU was lent.
         reward_model.model.to(torch.bfloat16)
+    elif precision == "bf16":
+        # A CPU scores under bf16 autocast, which casts every fp32 matmul weight on every forward pass; the
+        # served model never trains, so they are cast once (the same rewards, bit for bit; scoring.py).
+        cast_matmul_weights_once(reward_model.model, torch.bfloat16)
     parsed = parse_registry_uri(uri)
     tags: dict[str, str] = {}
     if resolved.registered_name and resolved.version:

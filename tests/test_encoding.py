@@ -107,3 +107,23 @@ def test_a_reward_does_not_depend_on_its_batch(minilm_tokenizer, tiny_bert):
     together = scorer.score(prompts, responses).rewards
     alone = [scorer.score([p], [r]).rewards[0] for p, r in zip(prompts, responses)]
     assert max(abs(x - y) for x, y in zip(together, alone)) < 1e-4
+
+
+def test_matmul_weights_cast_once_score_bit_for_bit_as_autocast_does_and_the_head_stays_fp32(minilm_tokenizer, tiny_bert):
+    import copy
+
+    from anchor_rm.scoring import cast_matmul_weights_once, reward_head
+
+    enc = RewardEncoder(minilm_tokenizer, 64, decoder=False)
+    model = tiny_bert(0).eval()
+    prompts = ["short", "a much longer prompt with many more words in it than the first", "mid length one"]
+    responses = ["yes", "a long response " * 5, "ok then"]
+    before = RewardScorer(model, enc, batch_size=2, precision="bf16").score(prompts, responses).rewards
+    cast = copy.deepcopy(model)
+    n = cast_matmul_weights_once(cast)
+    linears = [m for m in cast.modules() if isinstance(m, torch.nn.Linear)]
+    assert n == len(linears) - 1 and reward_head(cast).weight.dtype == torch.float32
+    assert all(m.weight.dtype == torch.bfloat16 for m in linears if m is not reward_head(cast))
+    after = RewardScorer(cast, enc, batch_size=2, precision="bf16").score(prompts, responses).rewards
+    assert after.tolist() == before.tolist()  # the same bf16 weights reach the same kernels: no rounding of its own
+    assert cast_matmul_weights_once(cast) == 0  # already cast: nothing to do

@@ -346,6 +346,19 @@ def test_the_ood_flag_setting_turns_the_flag_off_and_says_so(registered, tmp_pat
     assert off.describe()["ood_flag"] == {"enabled": False, "reason": "turned off (ANCHOR_RM_OOD_FLAG=0)"}
 
 
+def test_a_bf16_cpu_service_holds_its_matmul_weights_in_bf16_and_scores_as_the_library_does(registered, tmp_path):
+    from anchor_rm.scoring import reward_head
+
+    served = load_served_model("models:/anchor-rm-helpful/1", tmp_path / "dl", precision="bf16", device="cpu")
+    model = served.scorer.model
+    linears = [m for m in model.modules() if isinstance(m, torch.nn.Linear)]
+    assert reward_head(model).weight.dtype == torch.float32
+    assert all(m.weight.dtype == torch.bfloat16 for m in linears if m is not reward_head(model))
+    prompts, responses = ["How do I boil an egg?", "word " * 60, "Hi"], ["Boil it.", "A short answer.", "Hello there."]
+    expected = load_saved(registered["1"]).scorer(precision="bf16").score(prompts, responses).rewards
+    assert served.score(prompts, responses).rewards.tolist() == expected.tolist()  # bit for bit: the same bf16 weights
+
+
 def test_a_reward_does_not_depend_on_its_batch(registered, tmp_path):
     served = load_served_model("models:/anchor-rm-helpful/1", tmp_path / "dl")
     assert served.alias is None and target_version("models:/anchor-rm-helpful/1") is None
