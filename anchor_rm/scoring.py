@@ -126,8 +126,8 @@ def cast_matmul_weights_once(model, dtype: torch.dtype = torch.bfloat16) -> int:
     """For a model that only scores (the service): hold every Linear's weight and bias in `dtype`, the reward
     head's excepted. Under autocast to `dtype` a Linear casts its fp32 weight on every forward pass; cast once,
     the same values reach the same kernels (rewards bit for bit the same, tests/test_encoding.py) without the
-    casts: 12-16% less time per pair for MiniLM-L6 on a native-bf16 CPU (docs/benchmarks.md), and half the
-    memory of those weights. Do not use it on a model that trains. Returns how many Linears it cast."""
+    casts: 1.14x and 1.15x the pairs/s of a plain loop under autocast for MiniLM-L6 on a native-bf16 CPU
+    (docs/benchmarks.md, *Service (M1, 2026-12-06)*, runs 5 and 6), and half the memory of those weights. Do not use it on a model that trains. Returns how many Linears it cast."""
     head = reward_head(model)
     cast = 0
     for module in model.modules():
