@@ -31,6 +31,8 @@ def main(argv=None) -> int:
         seeds = [int(s) for s in args.seeds.split(",") if s.strip()]
     except ValueError:
         parser.error(f"--seeds must be comma-separated integers, got {args.seeds!r}")
+    if not seeds:
+        parser.error("--seeds is empty")
 
     from anchor_rm.training import epoch_batches
     from anchor_rm.workflow import load_pretrained
