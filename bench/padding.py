@@ -34,13 +34,18 @@ def main(argv=None) -> int:
     if not seeds:
         parser.error("--seeds is empty")
 
+    from anchor_rm.data import DataError
+    from anchor_rm.models import ModelError
     from anchor_rm.training import epoch_batches
     from anchor_rm.workflow import load_pretrained
 
     rows = []
     for seed in seeds:
-        splits = source_splits(args.source, seed, {"student_train": args.train_pairs})
-        encoded = load_pretrained(args.model, args.max_length, seed).encode(splits.student_train)
+        try:
+            splits = source_splits(args.source, seed, {"student_train": args.train_pairs})
+            encoded = load_pretrained(args.model, args.max_length, seed).encode(splits.student_train)
+        except (DataError, ModelError) as exc:
+            parser.error(str(exc))
         chosen = [len(c.input_ids) for c in encoded.chosen]
         rejected = [len(r.input_ids) for r in encoded.rejected]
         lengths = [max(c, r) for c, r in zip(chosen, rejected)]
