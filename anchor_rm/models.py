@@ -167,10 +167,13 @@ def load_reward_model(source: ModelSource, *, dropout: float | None = 0.0) -> Pr
     """A scalar reward model (num_labels=1) on the pretrained weights of `source`.
 
     dropout=0.0 turns dropout off: the anchor term is then exactly zero at step 0 (student and frozen
-    reference compute the same hidden states) and reward training is deterministic on CPU.
+    reference compute the same hidden states) and reward training is deterministic on CPU. A model with SDPA
+    attention computes it in fp32 on a CPU under bf16 autocast (precision.use_cpu_fp32_attention).
     """
     import torch
     from transformers import AutoConfig, AutoModelForSequenceClassification
+
+    from anchor_rm.precision import use_cpu_fp32_attention
 
     path = _dequantized_folder(source) if source.gguf_file else source.path
     try:
@@ -187,6 +190,7 @@ def load_reward_model(source: ModelSource, *, dropout: float | None = 0.0) -> Pr
         config.pad_token_id = load_tokenizer(source).pad_token_id
     model = AutoModelForSequenceClassification.from_pretrained(path, config=config, dtype=torch.float32)
     model.config.pad_token_id = config.pad_token_id
+    use_cpu_fp32_attention(model)
     return model
 
 

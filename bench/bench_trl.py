@@ -3,10 +3,15 @@
 Both start from the same pretrained weights and the same fresh reward head, train on the same pairs with
 the same batch size, max length, epochs, learning rate, schedule (linear, 10% warm-up), weight decay,
 gradient clipping, dropout (off) and precision (`--precision`, default auto: bf16 autocast on hardware with
-native bf16, else fp32), and are scored by the same scorer, in fp32, on the same ID test split. What differs is the training loop:
+native bf16, else fp32), and are scored by the same scorer, in fp32, on the same ID test split. What differs is the
+training loop, and the attention kernel's precision on a CPU under bf16 autocast: ours computes SDPA attention in
+fp32 there (anchor_rm.precision.use_cpu_fp32_attention, for every model the project loads), TRL gets the model
+with transformers' own SDPA attention, as `from_pretrained` gives it (bf16 under autocast):
 
     ours-soft     our trainer on the teacher's soft labels q (the project's naive W2S)
     ours-hard     our trainer on the teacher's hard labels (q > 0.5 -> 1, else 0): TRL's exact loss
+    ours-bf16-attention  ours-hard with transformers' SDPA attention, in bf16 under autocast as TRL's (the trainer
+                  before attention moved to fp32 on CPU); the same as ours-hard in fp32 or on a GPU
     ours-random   ours-hard with random batches instead of length-grouped ones
     ours-unfused  ours-hard with the unfused AdamW the trainer used before issue 5 (torch's CPU default)
     ours-soft-fp32  ours-soft in fp32 whatever --precision says: does bf16 cost accuracy? (not in the default set)
@@ -41,8 +46,10 @@ from pathlib import Path
 
 from bench_common import Disturbance, machine, markdown_table, positive_int, source_splits
 
-TRAINERS = ("ours-soft", "ours-hard", "ours-random", "ours-unfused", "trl", "trl-grouped", "ours-soft-fp32")
+TRAINERS = ("ours-soft", "ours-hard", "ours-bf16-attention", "ours-random", "ours-unfused", "trl", "trl-grouped",
+            "ours-soft-fp32")
 DEFAULT_TRAINERS = TRAINERS[:-1]
+TRANSFORMERS_ATTENTION = "sdpa"  # what transformers' from_pretrained picks for these models, and TRL trains with
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -181,6 +188,8 @@ def run_trainer(args: argparse.Namespace, trainer: str, splits, q: list[float]) 
     from anchor_rm.workflow import load_pretrained
 
     rm = load_pretrained(args.model, args.max_length, args.seed)  # the same weights and head for every trainer
+    if trainer.startswith("trl") or trainer == "ours-bf16-attention":
+        rm.model.set_attn_implementation(TRANSFORMERS_ATTENTION)
     encoded = rm.encode(splits.student_train)
     kept_q = [q[i] for i in encoded.kept]
     seconds = (train_trl if trainer.startswith("trl") else train_ours)(args, trainer, rm, encoded, kept_q)

@@ -1,11 +1,16 @@
 """What bf16 costs or saves on this machine, and what `--precision auto` chooses (not a test).
 
-Three parts, each in the same run so that ratios are taken on the same machine state:
+Four parts, each in the same run so that ratios are taken on the same machine state:
 
-    matmul  torch matmul 1024x1024 with this process's threads: GFLOP/s in fp32 and in bf16
-    step    MiniLM-L6 forward + backward + fused AdamW on 16 pairs (32 sequences) x 128 tokens of HH
-            helpful-base: seconds per step in fp32 and under bf16 autocast (median of --steps, after one
-            warm-up step)
+    matmul     torch matmul 1024x1024 with this process's threads: GFLOP/s in fp32 and in bf16
+    attention  torch's SDPA kernel alone on MiniLM-L6's shape in a training batch (32 sequences x 12 heads x
+               160 tokens x 32 dims, a padding mask): milliseconds forward and forward + backward in fp32 and
+               in bf16 (median of --steps calls, alternating): why attention runs in fp32 under bf16 autocast on
+               a CPU (anchor_rm.precision.use_cpu_fp32_attention)
+    step       MiniLM-L6 forward + backward + fused AdamW on 16 pairs (32 sequences) x 128 tokens of HH
+               helpful-base: seconds per step in fp32, under bf16 autocast (attention in fp32, as the project
+               trains), and under bf16 autocast with bf16 attention (transformers' own SDPA); median of
+               --steps, after one warm-up step
     smoke   `pipelines/train.py --preset smoke` end to end with --precision auto, fp32 and bf16, each in a
             fresh folder with a fresh MLflow store (no stage reused); the order rotates between repeats
 
@@ -13,8 +18,8 @@ Every repeat is shown. The rule for a disturbed repeat is fixed before the run (
 if other processes took more than 10% of the machine's CPU while it ran, it is marked "disturbed" and left
 out of the medians.
 
-    .venv/bin/python bench/precision.py                       # all three parts, 3 smoke repeats (~5 min native bf16)
-    .venv/bin/python bench/precision.py --parts matmul,step   # a minute
+    .venv/bin/python bench/precision.py                       # all four parts, 3 smoke repeats (~5 min native bf16)
+    .venv/bin/python bench/precision.py --parts matmul,attention,step   # a minute
 
 A CPU without native bf16 can be imitated on one that has it: torch and oneDNN then dispatch as on an
 AVX2-only CPU (bf16 emulated, about 1 GFLOP/s), while fp32 keeps this CPU's own speed. The machine line says
@@ -36,14 +41,14 @@ from pathlib import Path
 
 from bench_common import ROOT, Disturbance, machine, markdown_table, median, positive_int
 
-PARTS = ("matmul", "step", "smoke")
+PARTS = ("matmul", "attention", "step", "smoke")
 
 
 def parse_args(argv=None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--parts", default=",".join(PARTS), help="comma-separated subset of " + ", ".join(PARTS))
     parser.add_argument("--repeats", type=positive_int, default=3, help="smoke runs per precision")
-    parser.add_argument("--steps", type=positive_int, default=5, help="training steps timed per precision")
+    parser.add_argument("--steps", type=positive_int, default=5, help="training steps (and attention calls) timed per precision")
     parser.add_argument("--precisions", default="auto,fp32,bf16", help="smoke: comma-separated subset of auto,fp32,bf16")
     parser.add_argument("--out", help="also write every measurement as JSON here")
     args = parser.parse_args(argv)
@@ -73,6 +78,34 @@ def matmul(size: int = 1024, calls: int = 10) -> list[list[str]]:
     return rows
 
 
+def attention(calls: int) -> tuple[list[list[str]], dict]:
+    import torch
+    import torch.nn.functional as F
+
+    shape = (32, 12, 160, 32)
+    mask = torch.ones(shape[0], 1, 1, shape[2], dtype=torch.bool)
+    mask[::2, :, :, 120:] = False  # half the sequences padded, as in a batch of mixed lengths
+    inputs = {dtype: [torch.randn(shape, dtype=dtype, requires_grad=True) for _ in range(3)]
+              for dtype in (torch.float32, torch.bfloat16)}
+    ms: dict[str, list[float]] = {f"{d} {p}": [] for d in ("fp32", "bf16") for p in ("forward", "forward+backward")}
+    for call in range(calls + 1):
+        for dtype, name in ((torch.float32, "fp32"), (torch.bfloat16, "bf16")):
+            q, k, v = inputs[dtype]
+            with Disturbance() as d:
+                started = time.perf_counter()
+                with torch.no_grad():
+                    F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+                forward = time.perf_counter() - started
+                started = time.perf_counter()
+                F.scaled_dot_product_attention(q, k, v, attn_mask=mask).sum().backward()
+                both = time.perf_counter() - started
+            if call and not d.disturbed:  # call 0 warms up
+                ms[f"{name} forward"].append(1e3 * forward)
+                ms[f"{name} forward+backward"].append(1e3 * both)
+    rows = [[key, f"{median(values):.1f}", str(len(values))] for key, values in ms.items()]
+    return rows, ms
+
+
 def training_step(steps: int) -> tuple[list[list[str]], dict]:
     import torch
 
@@ -87,9 +120,12 @@ def training_step(steps: int) -> tuple[list[list[str]], dict]:
     encoded = rm.encode(splits.student_train)
     batch = collate(encoded.chosen + encoded.rejected, rm.encoder.pad_token_id)
     optimizer = torch.optim.AdamW(rm.model.parameters(), lr=1e-5, fused=True)
-    seconds: dict[str, list[float]] = {"fp32": [], "bf16": []}
+    seconds: dict[str, list[float]] = {"fp32": [], "bf16": [], "bf16, bf16 attention": []}
     rows = []
-    for precision in ("fp32", "bf16"):
+    attention = rm.model.config._attn_implementation
+    for variant in seconds:
+        precision = variant.split(",")[0]
+        rm.model.set_attn_implementation("sdpa" if variant == "bf16, bf16 attention" else attention)
         for step in range(steps + 1):
             with Disturbance() as d:
                 started = time.perf_counter()
@@ -101,8 +137,8 @@ def training_step(steps: int) -> tuple[list[list[str]], dict]:
                 took = time.perf_counter() - started
             if step:  # step 0 warms up
                 if not d.disturbed:
-                    seconds[precision].append(took)
-                rows.append([precision, str(step), f"{took:.3f}", f"{d.fraction:.0%}" + (" disturbed" if d.disturbed else "")])
+                    seconds[variant].append(took)
+                rows.append([variant, str(step), f"{took:.3f}", f"{d.fraction:.0%}" + (" disturbed" if d.disturbed else "")])
     return rows, seconds
 
 
@@ -142,13 +178,21 @@ def main(argv=None) -> int:
         rows = matmul()
         record["matmul"] = rows
         print(markdown_table(["dtype", "GFLOP/s (1024x1024 matmul)", "other processes"], rows) + "\n", flush=True)
+    if "attention" in args.part_list:
+        rows, ms = attention(args.steps)
+        record["attention"] = ms
+        print(markdown_table(["SDPA kernel", "ms (median)", "undisturbed calls"], rows), flush=True)
+        print("\nbf16 / fp32: forward {:.2f}, forward + backward {:.2f}\n".format(
+            median(ms["bf16 forward"]) / median(ms["fp32 forward"]),
+            median(ms["bf16 forward+backward"]) / median(ms["fp32 forward+backward"])), flush=True)
     if "step" in args.part_list:
         rows, seconds = training_step(args.steps)
         record["step"] = seconds
         print(markdown_table(["precision", "step", "seconds", "other processes"], rows), flush=True)
-        fp32, bf16 = median(seconds["fp32"]), median(seconds["bf16"])
-        print(f"\nMiniLM-L6 training step, median: fp32 {fp32:.3f} s, bf16 {bf16:.3f} s; bf16 / fp32 = {bf16 / fp32:.2f}\n",
-              flush=True)
+        fp32, bf16, bf16_attention = (median(seconds[k]) for k in ("fp32", "bf16", "bf16, bf16 attention"))
+        print(f"\nMiniLM-L6 training step, median: fp32 {fp32:.3f} s, bf16 {bf16:.3f} s, bf16 with bf16 attention "
+              f"{bf16_attention:.3f} s; bf16 / fp32 = {bf16 / fp32:.2f}, bf16 attention / fp32 attention = "
+              f"{bf16_attention / bf16:.2f}\n", flush=True)
     if "smoke" in args.part_list:
         rows, seconds = smoke(args.repeats, args.precision_list)
         record["smoke"] = seconds

@@ -1,5 +1,6 @@
 """Precision picked by the hardware: auto is bf16 only where bf16 is native and faster, an explicit bf16 on
-an emulating CPU warns once with the measured slowdown, and bf16 scoring keeps the reward head in fp32."""
+an emulating CPU warns once with the measured slowdown, bf16 scoring keeps the reward head in fp32, and SDPA
+attention runs in fp32 on a CPU under bf16 autocast."""
 
 from __future__ import annotations
 
@@ -109,6 +110,55 @@ def test_bf16_scoring_keeps_the_reward_head_in_fp32(tiny_bert, minilm_tokenizer)
     np.testing.assert_allclose(chosen, fp32_chosen, atol=1e-3)
     assert not np.array_equal(chosen, fp32_chosen)  # the backbone really ran in bf16
     assert all(not m._forward_hooks for m in model.modules())  # the hook is gone afterwards
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("architecture", ["bert", "llama"])
+def test_cpu_attention_runs_in_fp32_under_bf16_autocast_with_padding_still_masked(architecture, minilm_tokenizer):
+    """use_cpu_fp32_attention: under bf16 autocast on a CPU the SDPA kernel gets fp32 inputs; padded positions
+    stay masked (an attention name registered without a mask function gets no mask at all: the padded row's
+    reward would change); gradients reach the projections; without autocast nothing changes."""
+    from helpers import tiny_bert, tiny_llama
+
+    model = (tiny_bert if architecture == "bert" else tiny_llama)(minilm_tokenizer, 0)
+    reference = (tiny_bert if architecture == "bert" else tiny_llama)(minilm_tokenizer, 0)
+    precision.use_cpu_fp32_attention(model)
+    assert model.config._attn_implementation == precision.CPU_FP32_ATTENTION
+    assert reference.config._attn_implementation == "sdpa"
+    pad = minilm_tokenizer.pad_token_id
+    ids = torch.tensor([[101, 2054, 2003, 1037, 2204, 3437, 102], [101, 2054, 2003, 102, pad, pad, pad]])
+    mask = (ids != pad).long()
+    seen = []
+    real_sdpa = torch.nn.functional.scaled_dot_product_attention
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(torch.nn.functional, "scaled_dot_product_attention",
+                      lambda q, k, v, *args, **kwargs: seen.append((q.dtype, k.dtype, v.dtype, torch.is_autocast_enabled("cpu")))
+                      or real_sdpa(q, k, v, *args, **kwargs))
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            both = model(input_ids=ids, attention_mask=mask).logits[:, 0].float()
+            alone = model(input_ids=ids[1:, :4], attention_mask=mask[1:, :4]).logits[:, 0].float()
+            plain = reference(input_ids=ids, attention_mask=mask).logits[:, 0].float()
+    fp32 = (torch.float32, torch.float32, torch.float32, False)
+    assert len(seen) == 6 and set(seen[:4]) == {fp32}  # our model's 4 calls: fp32 inputs, autocast off
+    assert all(call[3] for call in seen[4:])  # transformers' own SDPA: under autocast (bf16 kernel)
+    torch.testing.assert_close(both[1], alone[0], atol=2e-2, rtol=0)  # padding masked (bf16 logits)
+    torch.testing.assert_close(both, plain, atol=5e-2, rtol=0)  # the same model up to bf16 rounding
+    both.sum().backward()
+    assert all(p.grad is not None and p.grad.abs().sum() > 0 for n, p in model.named_parameters()
+               if "q_proj" in n or "query" in n)
+    with torch.no_grad():  # no autocast: exactly transformers' SDPA
+        torch.testing.assert_close(model(input_ids=ids, attention_mask=mask).logits,
+                                   reference(input_ids=ids, attention_mask=mask).logits, atol=0, rtol=0)
+
+
+@pytest.mark.timeout(60)
+def test_only_sdpa_models_change_attention(minilm_tokenizer):
+    from helpers import tiny_bert
+
+    model = tiny_bert(minilm_tokenizer, 0)
+    model.set_attn_implementation("eager")
+    precision.use_cpu_fp32_attention(model)
+    assert model.config._attn_implementation == "eager"
 
 
 @pytest.mark.timeout(60)
