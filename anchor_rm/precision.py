@@ -140,9 +140,9 @@ def autocast(precision: str, device_type: str):
 # The attention implementation every model gets at load time (models.load_reward_model) where transformers would
 # use its SDPA attention: the same kernel, computed in fp32 when it runs on a CPU under bf16 autocast. There,
 # torch's CPU flash-attention kernel is slower in bf16 than in fp32, its backward pass most (MiniLM-L6's 32 x 12
-# heads x 160 tokens x 32 dims: forward 20 against 15 ms, backward 84 against 33 ms on an AMD EPYC with
-# avx512_bf16; `bench/precision.py --parts attention` measures it on any CPU), and attention was a third of a
-# bf16 training step. In fp32 it is also the more exact of the two. On a GPU, or without autocast, it is SDPA.
+# heads x 160 tokens x 32 dims: forward 18.8 against 15.9 ms, forward + backward 101 against 55 ms on an AMD EPYC
+# with avx512_bf16; `bench/precision.py --parts attention` measures it on any CPU, docs/benchmarks.md), and
+# attention was a third of a bf16 training step. In fp32 it is also the more exact of the two. On a GPU, or without autocast, it is SDPA.
 CPU_FP32_ATTENTION = "sdpa_fp32_on_cpu"
 
 

@@ -11,8 +11,8 @@ Four parts, each in the same run so that ratios are taken on the same machine st
                helpful-base: seconds per step in fp32, under bf16 autocast (attention in fp32, as the project
                trains), and under bf16 autocast with bf16 attention (transformers' own SDPA); median of
                --steps, after one warm-up step
-    smoke   `pipelines/train.py --preset smoke` end to end with --precision auto, fp32 and bf16, each in a
-            fresh folder with a fresh MLflow store (no stage reused); the order rotates between repeats
+    smoke      `pipelines/train.py --preset smoke` end to end with --precision auto, fp32 and bf16, each in a
+               fresh folder with a fresh MLflow store (no stage reused); the order rotates between repeats
 
 Every repeat is shown. The rule for a disturbed repeat is fixed before the run (bench/bench_common.Disturbance):
 if other processes took more than 10% of the machine's CPU while it ran, it is marked "disturbed" and left

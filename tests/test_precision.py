@@ -144,8 +144,8 @@ def test_cpu_attention_runs_in_fp32_under_bf16_autocast_with_padding_still_maske
     torch.testing.assert_close(both[1], alone[0], atol=2e-2, rtol=0)  # padding masked (bf16 logits)
     torch.testing.assert_close(both, plain, atol=5e-2, rtol=0)  # the same model up to bf16 rounding
     both.sum().backward()
-    assert all(p.grad is not None and p.grad.abs().sum() > 0 for n, p in model.named_parameters()
-               if "q_proj" in n or "query" in n)
+    queries = [p for n, p in model.named_parameters() if "q_proj" in n or "query" in n]
+    assert queries and all(p.grad is not None and p.grad.abs().sum() > 0 for p in queries)
     with torch.no_grad():  # no autocast: exactly transformers' SDPA
         torch.testing.assert_close(model(input_ids=ids, attention_mask=mask).logits,
                                    reference(input_ids=ids, attention_mask=mask).logits, atol=0, rtol=0)
