@@ -142,31 +142,36 @@ def autocast(precision: str, device_type: str):
 # torch's CPU flash-attention kernel is slower in bf16 than in fp32, its backward pass most (MiniLM-L6's 32 x 12
 # heads x 160 tokens x 32 dims: forward 18.8 against 15.9 ms, forward + backward 101 against 55 ms on an AMD EPYC
 # with avx512_bf16; `bench/precision.py --parts attention` measures it on any CPU, docs/benchmarks.md), and
-# attention was a third of a bf16 training step. In fp32 it is also the more exact of the two. On a GPU, or without autocast, it is SDPA.
+# attention was a third of a bf16 training step. In fp32 it is also the more exact of the two. On a GPU, or
+# without autocast, it is SDPA.
 CPU_FP32_ATTENTION = "sdpa_fp32_on_cpu"
 
 
-def _sdpa_fp32_on_cpu(module, query, key, value, attention_mask, **kwargs):
+@functools.cache
+def _register_cpu_fp32_attention() -> None:
+    """Registers CPU_FP32_ATTENTION with transformers' attention *and* mask interfaces, once per process: an
+    attention name without a mask function gets no attention mask at all, and padded positions would be
+    attended to."""
+    from transformers import AttentionInterface
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
+    from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
-    if query.device.type != "cpu" or not torch.is_autocast_enabled("cpu"):
-        return sdpa_attention_forward(module, query, key, value, attention_mask, **kwargs)
-    if attention_mask is not None and attention_mask.is_floating_point():
-        attention_mask = attention_mask.float()
-    with torch.autocast("cpu", enabled=False):
-        # fp32 out: the projection after it casts its input back to bf16 under autocast
-        return sdpa_attention_forward(module, query.float(), key.float(), value.float(), attention_mask, **kwargs)
+    def sdpa_fp32_on_cpu(module, query, key, value, attention_mask, **kwargs):
+        if query.device.type != "cpu" or not torch.is_autocast_enabled("cpu"):
+            return sdpa_attention_forward(module, query, key, value, attention_mask, **kwargs)
+        if attention_mask is not None and attention_mask.is_floating_point():
+            attention_mask = attention_mask.float()
+        with torch.autocast("cpu", enabled=False):
+            # fp32 out: the projection after it casts its input back to bf16 under autocast
+            return sdpa_attention_forward(module, query.float(), key.float(), value.float(), attention_mask, **kwargs)
+
+    AttentionInterface.register(CPU_FP32_ATTENTION, sdpa_fp32_on_cpu)
+    AttentionMaskInterface.register(CPU_FP32_ATTENTION, sdpa_mask)
 
 
 def use_cpu_fp32_attention(model) -> None:
-    """Switches a transformers model that uses SDPA attention to CPU_FP32_ATTENTION (others keep theirs). The
-    name is registered with transformers' attention *and* mask interfaces: an attention name without a mask
-    function gets no attention mask at all, and padded positions would be attended to."""
+    """Switches a transformers model that uses SDPA attention to CPU_FP32_ATTENTION (others keep theirs)."""
     if getattr(model.config, "_attn_implementation", None) != "sdpa":
         return
-    from transformers import AttentionInterface
-    from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
-
-    AttentionInterface.register(CPU_FP32_ATTENTION, _sdpa_fp32_on_cpu)
-    AttentionMaskInterface.register(CPU_FP32_ATTENTION, sdpa_mask)
+    _register_cpu_fp32_attention()
     model.set_attn_implementation(CPU_FP32_ATTENTION)
