@@ -10,6 +10,14 @@ strong ceiling (training, validation and test scores), Ray's start and the refer
 Tune starting it to its first epoch's report: worker start, model load, the first epoch's training and
 validation; then each further epoch; then its end), and the final evaluation with registration. Prints a
 Markdown table; seconds are whole (the log's resolution).
+
+With the job's MLflow store (`--tracking-uri`, the one tune.py wrote to) it also splits each trial by its run's
+own millisecond timestamps, which the Ray Train worker writes: start-up (from the run's creation by the trial's
+Tune function to the end of the first training step: the Train controller, the worker process, the student's
+loading, the frozen reference's states, one step), each epoch's training (its remaining steps) and the validation
+after it (the validation passes, until its metrics are logged), and the end (checkpoint, reports, the run's end):
+
+    .venv/bin/python bench/main_job_profile.py tune.log --tracking-uri sqlite:///$PWD/mlflow.db
 """
 
 from __future__ import annotations
@@ -69,9 +77,49 @@ def stages(lines: list[tuple[int, str]]) -> list[tuple[str, int]]:
     return [(name, (opened[i + 1][1] if i + 1 < len(opened) else end) - start) for i, (name, start) in enumerate(opened)]
 
 
+def trial_splits(tracking_uri: str) -> str:
+    """A Markdown table of every trial run in the store: its start-up, training and validation seconds."""
+    from mlflow.tracking import MlflowClient
+
+    from anchor_rm.mlflow_edge import keys
+
+    client = MlflowClient(tracking_uri)
+    experiments = [e.experiment_id for e in client.search_experiments()]
+    runs = client.search_runs(experiments, filter_string=f"tags.`{keys.STAGE_TAG}` = 'trial'",
+                              order_by=["attributes.start_time ASC"], max_results=1000)
+    rows = []
+    for run in runs:
+        steps = [m.timestamp / 1000 for m in sorted(client.get_metric_history(run.info.run_id, "train/loss"),
+                                                     key=lambda m: m.step)]
+        validations = [m.timestamp / 1000 for m in sorted(client.get_metric_history(run.info.run_id, "val/mean_nts"),
+                                                           key=lambda m: m.step)]
+        if not steps or not validations or len(steps) % len(validations):
+            continue  # a trial that failed or stopped inside an epoch: no whole epochs to split
+        per_epoch = len(steps) // len(validations)
+        training, validating, previous = [], [], steps[0]
+        for epoch, validated in enumerate(validations):
+            last_step = steps[(epoch + 1) * per_epoch - 1]
+            training.append(last_step - previous)
+            validating.append(validated - last_step)
+            previous = validated
+        gaps = sorted(b - a for a, b in zip(steps, steps[1:]) if b - a < min(validating))
+        end = (run.info.end_time / 1000 - validations[-1]) if run.info.end_time else float("nan")
+        rows.append([run.data.tags.get(keys.RUN_NAME_TAG, run.info.run_id), run.data.tags.get(keys.METHOD_TAG, "?"),
+                     f"{steps[0] - run.info.start_time / 1000:.1f}", " / ".join(f"{t:.1f}" for t in training),
+                     " / ".join(f"{v:.1f}" for v in validating), f"{gaps[len(gaps) // 2]:.3f}" if gaps else "-",
+                     f"{end:.1f}"])
+    if not rows:
+        raise SystemExit(f"no trial run with training steps and validations in {tracking_uri}")
+    header = ["trial run", "method", "start-up to first step's end s", "training s per epoch (the first without its first step)",
+              "validation s per epoch", "s per step (median)", "last validation to run end s"]
+    return "\n".join(["| " + " | ".join(header) + " |", "|---|---|" + "---:|" * (len(header) - 2)]
+                     + ["| " + " | ".join(row) + " |" for row in rows])
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("log", type=Path, help="tune.py's stderr")
+    parser.add_argument("--tracking-uri", help="the job's MLflow store: also split each trial by its run's timestamps")
     args = parser.parse_args(argv)
     rows = stages(timed_lines(args.log.read_text(errors="replace")))
     total = sum(seconds for _, seconds in rows)
@@ -86,6 +134,8 @@ def main(argv=None) -> int:
         groups[key] = groups.get(key, 0) + seconds
     print()
     print("By kind: " + "; ".join(f"{k} {v} s ({100 * v / max(total, 1):.0f}%)" for k, v in groups.items()))
+    if args.tracking_uri:
+        print("\n" + trial_splits(args.tracking_uri))
     return 0
 
 
