@@ -83,6 +83,8 @@ def trial_splits(tracking_uri: str) -> str:
 
     from anchor_rm.mlflow_edge import keys
 
+    if tracking_uri.startswith("sqlite:///") and not Path(tracking_uri[len("sqlite:///"):]).is_file():
+        raise SystemExit(f"--tracking-uri {tracking_uri}: no such SQLite file (MLflow would create an empty store)")
     client = MlflowClient(tracking_uri)
     experiments = [e.experiment_id for e in client.search_experiments()]
     runs = client.search_runs(experiments, filter_string=f"tags.`{keys.STAGE_TAG}` = 'trial'",
