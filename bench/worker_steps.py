@@ -2,10 +2,10 @@
 attention in fp32 (as the project trains under bf16 autocast on a CPU, anchor_rm.precision) and in bf16
 (transformers' own SDPA) (not a test).
 
-The steps are a trial's of the default main job: the default preset's student-train split (PKU-SafeRLHF, 640
-pairs), 128 tokens, 16 pairs a step in length-grouped batches, naive W2S on seeded soft labels (their values do
-not change the time), `--precision auto`, the student as `workflow.load_student` loads it. Each run trains the
-first --steps steps and times each one; the first is a warm-up and left out. Two places:
+The steps are those of a trial of the default main job: its student-train split (PKU-SafeRLHF), 128 tokens, 16
+pairs a step in length-grouped batches, naive W2S on seeded soft labels (their values do not change the time),
+`--precision auto`, the student as `workflow.load_student` loads it. Each run trains one epoch over the split's
+first --steps x 16 pairs and times each step; the first is a warm-up and left out. Two places:
 
     plain   a child process of this script, no Ray, torch threads as a trial's worker gets them
     worker  a Ray Train worker: a local Ray instance started as `pipelines/tune.py` starts one
@@ -68,7 +68,8 @@ def student_train(seed: int = SEED):
 
 
 def workload(steps: int):
-    """(student, encoded pairs, soft labels, train config) for the first `steps` steps of a default trial."""
+    """(student, encoded pairs, soft labels, train config): one epoch of `steps` steps of a default trial's
+    training, over the first `steps` batches' worth of its student-train pairs."""
     import numpy as np
 
     from anchor_rm.precision import resolve_precision
