@@ -55,6 +55,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     args = parser.parse_args(argv)
     if args.steps < 2:
         parser.error("--steps must be at least 2: the first step is a warm-up")
+    if args.out and not Path(args.out).resolve().parent.is_dir():
+        parser.error(f"--out {args.out}: its folder does not exist")
     return args
 
 
