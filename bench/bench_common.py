@@ -102,16 +102,26 @@ def process_tree(root: int) -> set[int]:
     return tree
 
 
-def _tree_seconds(root: int) -> float:
-    """CPU seconds the live process `root` and its live descendants have spent (/proc/<pid>/stat)."""
-    total = 0.0
+def tree_seconds_by_kind(root: int) -> dict[str, float]:
+    """CPU seconds the live process `root` and its live descendants have spent (/proc/<pid>/stat), summed by
+    kind: a Ray actor or worker by the name Ray gives its process (ray::TrainController ...), anything else by
+    its executable's name."""
+    out: dict[str, float] = {}
     for pid in process_tree(root):
         try:
-            fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+            stat = Path(f"/proc/{pid}/stat").read_text()
+            command = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")[0].decode(errors="replace")
         except OSError:
             continue
-        total += (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
-    return total
+        fields = stat.rsplit(")", 1)[1].split()
+        kind = command.split()[0].split(".")[0] if command.startswith("ray::") else stat[stat.find("(") + 1:stat.rfind(")")]
+        out[kind] = out.get(kind, 0.0) + (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+    return out
+
+
+def _tree_seconds(root: int) -> float:
+    """CPU seconds the live process `root` and its live descendants have spent (/proc/<pid>/stat)."""
+    return sum(tree_seconds_by_kind(root).values())
 
 
 class Disturbance:

@@ -123,6 +123,8 @@ def main(argv=None) -> int:
     parser.add_argument("log", type=Path, help="tune.py's stderr")
     parser.add_argument("--tracking-uri", help="the job's MLflow store: also split each trial by its run's timestamps")
     args = parser.parse_args(argv)
+    if not args.log.is_file():
+        parser.error(f"{args.log}: no such file (tune.py's stderr, e.g. `2> tune.log`)")
     rows = stages(timed_lines(args.log.read_text(errors="replace")))
     total = sum(seconds for _, seconds in rows)
     print("| stage | s | share |")

@@ -88,24 +88,6 @@ def workload(steps: int):
     return cfg.student, encoded, labels, config
 
 
-def tree_cpu_by_kind(root: int) -> dict[str, float]:
-    """CPU seconds so far of each live process in `root`'s tree, summed by kind: a Ray actor or worker by the
-    name Ray gives its process (ray::TrainController ...), anything else by its executable's name."""
-    from bench_common import process_tree
-
-    out: dict[str, float] = {}
-    for pid in process_tree(root):
-        try:
-            stat = Path(f"/proc/{pid}/stat").read_text()
-            command = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")[0].decode(errors="replace")
-        except OSError:
-            continue
-        fields = stat.rsplit(")", 1)[1].split()
-        kind = command.split()[0].split(".")[0] if command.startswith("ray::") else stat[stat.find("(") + 1:stat.rfind(")")]
-        out[kind] = out.get(kind, 0.0) + (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
-    return out
-
-
 def time_steps(student: str, encoded, labels, config, steps: int, attention: str, threads: int, root_pid: int) -> dict:
     """Seconds of each of the first `steps` training steps, in this process, and where the machine's CPU went
     from the end of the warm-up step to the last: this process, the rest of `root_pid`'s process tree (a worker
@@ -116,7 +98,7 @@ def time_steps(student: str, encoded, labels, config, steps: int, attention: str
 
     from anchor_rm.training import train_reward_model
     from anchor_rm.workflow import load_student
-    from bench_common import _busy_seconds, _tree_seconds
+    from bench_common import _busy_seconds, tree_seconds_by_kind
 
     def own_seconds() -> float:
         usage = resource.getrusage(resource.RUSAGE_SELF)
@@ -127,8 +109,8 @@ def time_steps(student: str, encoded, labels, config, steps: int, attention: str
     if attention == "bf16":
         rm.model.set_attn_implementation(TRANSFORMERS_ATTENTION)
     ends: list[float] = []
-    cpu: list[tuple[float, float, float]] = []  # (machine busy, root's tree, this process) after the warm-up and at the end
-    kinds: list[dict[str, float]] = []  # the tree's CPU by kind, at the same two points
+    # (machine busy, root's tree by kind, this process), after the warm-up step and after the last
+    cpu: list[tuple[float, dict[str, float], float]] = []
 
     class Enough(Exception):
         pass
@@ -136,8 +118,7 @@ def time_steps(student: str, encoded, labels, config, steps: int, attention: str
     def on_step(log) -> None:
         ends.append(time.perf_counter())
         if len(ends) in (1, steps):
-            cpu.append((_busy_seconds(), _tree_seconds(root_pid), own_seconds()))
-            kinds.append(tree_cpu_by_kind(root_pid))
+            cpu.append((_busy_seconds(), tree_seconds_by_kind(root_pid), own_seconds()))
         if len(ends) == steps:
             raise Enough
 
@@ -148,14 +129,15 @@ def time_steps(student: str, encoded, labels, config, steps: int, attention: str
         pass
     bounds = [started] + ends
     capacity = (ends[-1] - ends[0]) * (os.cpu_count() or 1)  # CPU seconds the machine had over the timed steps
-    (busy0, tree0, own0), (busy1, tree1, own1) = cpu
+    (busy0, kinds0, own0), (busy1, kinds1, own1) = cpu
+    tree0, tree1 = sum(kinds0.values()), sum(kinds1.values())
     return {"step_seconds": [b - a for a, b in zip(bounds, bounds[1:])], "threads": torch.get_num_threads(),
             "omp_num_threads": os.environ.get("OMP_NUM_THREADS"), "attention": rm.model.config._attn_implementation,
             "precision": config.precision, "batch_pairs": config.batch_size, "own_share": (own1 - own0) / capacity,
             "rest_of_tree_share": max(0.0, (tree1 - tree0) - (own1 - own0)) / capacity,
             "others": max(0.0, (busy1 - busy0) - (tree1 - tree0)) / capacity,
-            "tree_share_by_kind": {k: (v - kinds[0].get(k, 0.0)) / capacity for k, v in kinds[1].items()
-                                   if v - kinds[0].get(k, 0.0) > 0}}
+            "tree_share_by_kind": {k: (v - kinds0.get(k, 0.0)) / capacity for k, v in kinds1.items()
+                                   if v - kinds0.get(k, 0.0) > 0}}
 
 
 def _worker_loop(config: dict) -> None:
