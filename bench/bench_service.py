@@ -50,7 +50,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--model", default="minilm-l6", help="minilm-l6 (pretrained MiniLM-L6, fresh reward head) "
                                                             "or tiny (a 2-layer 32-wide random BERT)")
-    parser.add_argument("--max-length", type=int, default=192, help="tokens per pair (the tune preset's)")
+    parser.add_argument("--max-length", type=int, default=192, help="tokens per pair (the tune preset's until 2026-12-02; its figures in docs/benchmarks.md use 192)")
     parser.add_argument("--seconds", type=float, default=10.0, help="measured time per cell")
     parser.add_argument("--repeats", type=int, default=3, help="rounds over every setup, interleaved")
     parser.add_argument("--concurrency", default="1,8,32", help="comma-separated client counts")
