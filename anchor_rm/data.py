@@ -65,7 +65,7 @@ def _decode(raw: bytes, path: Path, line: int | None = None) -> str:
 
 def _iter_jsonl(path: Path) -> Iterator[Record]:
     try:
-        with gzip.open(path, "rb") if path.name.endswith(".gz") else open(path, "rb") as f:
+        with gzip.open(path, "rb") if path.name.lower().endswith(".gz") else open(path, "rb") as f:
             for n, raw in enumerate(f, start=1):
                 where = f"{path}, line {n}"
                 try:
@@ -95,7 +95,7 @@ def _iter_json_list(path: Path) -> Iterator[Record]:
 
 
 def _iter_table(path: Path) -> Iterator[Record]:
-    if path.suffix == ".parquet":
+    if path.suffix.lower() == ".parquet":
         yield from _iter_parquet(path)
         return
     text = _decode(path.read_bytes(), path)  # bad bytes: name the line
@@ -178,6 +178,10 @@ def _response(rec: Any, key: str, where: str) -> str:
 def _prompt_from_chat(chat: list, key: str, where: str) -> str:
     """Implicit-prompt chats (trl-lib style): the prompt is the turns before the last assistant turn."""
     last = max((i for i, m in enumerate(chat) if isinstance(m, Mapping) and m.get("role") == "assistant"), default=0)
+    for i, m in enumerate(chat[:last]):
+        if not isinstance(m, Mapping):
+            raise DataError(f"{where}: field {key!r}: turn {i} is a {type(m).__name__}, not a message object "
+                            f"({{\"role\": ..., \"content\": ...}})")
     turns = [(str(m.get("role", "")), _text(m, "content", f"{where}: field {key!r}")) for m in chat[:last]]
     if not turns:
         raise DataError(f"{where}: no prompt field, and field {key!r} has no turn before its answer")
@@ -428,6 +432,9 @@ def iter_safetext(path: str | Path, dataset: str, *, skip_invalid: bool = False,
                           stats=stats)
 
 
+FILE_SUFFIXES = (".jsonl", ".jsonl.gz", ".json", ".parquet", ".csv")
+
+
 def iter_generic(path_or_hub_name: str | Path, dataset: str, prompt_column: str = "prompt",
                  chosen_column: str = "chosen", rejected_column: str = "rejected", split: str = "train", *,
                  skip_invalid: bool = False, stats: ReadStats | None = None,
@@ -436,12 +443,17 @@ def iter_generic(path_or_hub_name: str | Path, dataset: str, prompt_column: str 
     (a hub name, or a local folder) with `split` and `load_kwargs`. Chosen/rejected may be chats (lists of
     messages); with no prompt column the prompt is the chosen chat's turns before its answer."""
     path, name = Path(path_or_hub_name), str(path_or_hub_name)
-    if name.endswith((".jsonl", ".jsonl.gz", ".json", ".parquet", ".csv")):
+    lowered = name.lower()
+    if lowered.endswith(FILE_SUFFIXES):
         if not path.is_file():
             raise DataError(f"{path}: no such file")
         source = name
-        records = (_iter_jsonl if ".jsonl" in path.suffixes else _iter_json_list if path.suffix == ".json"
+        suffixes = [s.lower() for s in path.suffixes]
+        records = (_iter_jsonl if ".jsonl" in suffixes else _iter_json_list if suffixes[-1] == ".json"
                    else _iter_table)(path)
+    elif path.is_file():  # a file, but not of a format read here: datasets would call it a hub name
+        raise DataError(f"{path}: not a data file this reads (its name ends in {path.suffix or 'no suffix'}); use one "
+                        f"of {', '.join(FILE_SUFFIXES)}")
     else:
         source, records = f"hub dataset {name!r}", _iter_hub(name, split, load_kwargs or {})
     columns = dict(prompt_column=prompt_column, chosen_column=chosen_column, rejected_column=rejected_column)

@@ -8,6 +8,8 @@ chosen response is preferred is sigmoid(margin) (Bradley-Terry).
 
 from __future__ import annotations
 
+from typing import Sequence
+
 import torch
 import torch.nn.functional as F
 
@@ -96,3 +98,16 @@ def resolve_anchor_layers(spec: str | list[int] | tuple[int, ...], num_hidden_la
     if bad:
         raise ValueError(f"anchor_layers {bad} out of range: this model has layers 1..{num_hidden_layers}")
     return sorted(set(layers))
+
+
+def check_layer_settings(frozen_layers: int, anchor_layer_specs: Sequence, num_hidden_layers: int) -> None:
+    """Frozen layers within the model, and below every anchored layer of each spec (a search's choices, or
+    one run's): checked where the model's config is first read, not minutes later inside a trial."""
+    if not 0 <= frozen_layers < num_hidden_layers:
+        raise ValueError(f"frozen_layers must be in 0..{num_hidden_layers - 1} for a model of {num_hidden_layers} "
+                         f"layers, got {frozen_layers}")
+    for spec in anchor_layer_specs:
+        layers = resolve_anchor_layers(spec, num_hidden_layers)
+        if frozen_layers and frozen_layers >= min(layers):
+            raise ValueError(f"frozen_layers {frozen_layers} would freeze anchored layer {min(layers)} "
+                             f"(anchor_layers {spec!r} -> {layers}): freeze fewer layers")

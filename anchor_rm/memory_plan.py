@@ -194,14 +194,24 @@ def worker_memory_limit(device: str, workers_per_machine: int) -> tuple[int | No
                                                   f"{workers_per_machine} worker(s)")
 
 
-def protocol_plans(cfg, *, strategy: str = "ddp", workers: int = 1, device: str = "cpu") -> dict[str, MemoryPlan]:
-    """The teacher's and the student's (and so the ceiling's) plans for a ProtocolConfig."""
-    from anchor_rm.models import load_model_config
+def protocol_plans(cfg, *, strategy: str = "ddp", workers: int = 1, device: str = "cpu",
+                   anchor_layer_choices: tuple | None = None) -> dict[str, MemoryPlan]:
+    """The teacher's and the student's (and so the ceiling's) plans for a ProtocolConfig. Settings the model's
+    config refuses (a max length over its positions, frozen layers over anchored ones: the student's own anchor
+    layers, or every choice of a search, `anchor_layer_choices`) are ValueErrors here, before anything trains."""
+    from anchor_rm.losses import check_layer_settings
+    from anchor_rm.models import check_max_length, load_model_config
 
     plans = {}
     for role, name, train in (("teacher", cfg.teacher, cfg.teacher_train), ("student", cfg.student, cfg.student_train)):
         # the teacher trains in the driver's process, the students as `workers` Ray Train workers
-        plans[role] = plan_memory(model_shape(load_model_config(name)), batch_size=train.batch_size,
+        config = load_model_config(name)
+        check_max_length(config, train.max_length, name)
+        if role == "student":
+            specs = anchor_layer_choices if anchor_layer_choices is not None else (
+                [train.anchor_layers] if train.uses_anchor else [])
+            check_layer_settings(train.frozen_layers, specs, config.num_hidden_layers)
+        plans[role] = plan_memory(model_shape(config), batch_size=train.batch_size,
                                   max_length=train.max_length, lora_rank=train.lora_rank, anchor=train.uses_anchor,
                                   activation_checkpointing=train.activation_checkpointing,
                                   strategy=strategy if role == "student" else "ddp",
@@ -211,10 +221,11 @@ def protocol_plans(cfg, *, strategy: str = "ddp", workers: int = 1, device: str 
 
 
 def check_protocol_memory(cfg, *, strategy: str = "ddp", workers: int = 1, device: str = "cpu",
-                          workers_per_machine: int = 1, worker_memory: int | None = None, log=None) -> dict[str, MemoryPlan]:
+                          workers_per_machine: int = 1, worker_memory: int | None = None, log=None,
+                          anchor_layer_choices: tuple | None = None) -> dict[str, MemoryPlan]:
     """Plans the teacher and the students, logs each plan, and refuses (MemoryPlanError) the first that will not
     fit in what one worker has: `worker_memory` bytes where given, else worker_memory_limit's."""
-    plans = protocol_plans(cfg, strategy=strategy, workers=workers, device=device)
+    plans = protocol_plans(cfg, strategy=strategy, workers=workers, device=device, anchor_layer_choices=anchor_layer_choices)
     limit, where = ((worker_memory, "each worker (as given)") if worker_memory
                     else worker_memory_limit(device, workers_per_machine))
     for role, plan in plans.items():

@@ -188,7 +188,13 @@ def load_reward_model(source: ModelSource, *, dropout: float | None = 0.0) -> Pr
                 setattr(config, field_name, dropout)
     if config.pad_token_id is None:
         config.pad_token_id = load_tokenizer(source).pad_token_id
-    model = AutoModelForSequenceClassification.from_pretrained(path, config=config, dtype=torch.float32)
+    try:
+        model = AutoModelForSequenceClassification.from_pretrained(path, config=config, dtype=torch.float32)
+    except RuntimeError as exc:  # transformers: "You set `ignore_mismatched_sizes` to False ...": a head of other shape
+        if "mismatched" not in str(exc):
+            raise
+        raise ModelError(f"{source.name!r} ({path}) has a classification head with more than one output; a reward model "
+                         f"has one: start from its base model, or one trained as a reward model") from None
     model.config.pad_token_id = config.pad_token_id
     use_cpu_fp32_attention(model)
     return model
@@ -224,6 +230,27 @@ def transformer_parts(model: PreTrainedModel, purpose: str) -> tuple:
     if embeddings is None or layers is None:
         raise ModelError(f"{purpose}: cannot find the embeddings and the layers of {type(model).__name__}")
     return embeddings, layers, getattr(base, "norm", None)
+
+
+# Encoders whose position ids start after the padding index (RoBERTa's scheme): 2 of their positions are unusable.
+_OFFSET_POSITIONS = {"roberta", "xlm-roberta", "camembert", "longformer"}
+
+
+def position_limit(config) -> int | None:
+    """How many tokens a model of this config reads at most (its position table), or None when unbounded."""
+    limit = getattr(config, "max_position_embeddings", None) or getattr(config, "n_positions", None)
+    if not isinstance(limit, int) or limit <= 0:
+        return None
+    return limit - 2 if config.model_type in _OFFSET_POSITIONS else limit
+
+
+def check_max_length(config, max_length: int, name: str) -> None:
+    """A max length over the model's positions fails deep inside its embeddings at the first long pair; refuse it
+    here, naming the limit."""
+    limit = position_limit(config)
+    if limit is not None and max_length > limit:
+        raise ModelError(f"max length {max_length} tokens is over what {name} reads ({limit} positions, its "
+                         f"max_position_embeddings): pass --max-length {limit} or less")
 
 
 def is_decoder(model: PreTrainedModel) -> bool:

@@ -288,7 +288,11 @@ def message_text(content) -> str:
     if isinstance(content, str):
         return content
     if isinstance(content, list):
-        return "".join(part.get("text", "") for part in content if isinstance(part, dict) and part.get("type", "text") == "text")
+        texts = [part.get("text", "") for part in content if isinstance(part, dict) and part.get("type", "text") == "text"]
+        for i, text in enumerate(texts):
+            if not isinstance(text, str):
+                raise ValueError(f"content: text part {i} has a text of type {type(text).__name__}, not a string")
+        return "".join(texts)
     raise ValueError(f"content must be a string or a list of text parts, got {type(content).__name__}")
 
 

@@ -65,8 +65,8 @@ class StudyConfig:
         unknown = [c for c in self.categories if c not in STUDY_TARGETS]
         if unknown or not self.categories:
             raise ValueError(f"categories must be among {', '.join(STUDY_TARGETS)}, got {self.categories}")
-        if not self.seeds or len(set(self.seeds)) != len(self.seeds):
-            raise ValueError(f"seeds must be distinct and at least one, got {self.seeds}")
+        if not self.seeds or len(set(self.seeds)) != len(self.seeds) or min(self.seeds) < 0:
+            raise ValueError(f"seeds must be distinct whole numbers >= 0, at least one, got {self.seeds}")
         # As floats, as the command line gives them: 10 and 10.0 are one setting, and one key (instance_key).
         self.lambdas = [float(lam) for lam in self.lambdas]
         self.confidence_alphas = [float(alpha) for alpha in self.confidence_alphas]
@@ -294,6 +294,31 @@ def adoptable(earlier: dict, study: StudyConfig, category: str, seed: int,
                 return None, "other split sizes"
             return instance, "same settings and split sizes"
     return None, f"no {category} seed {seed}"
+
+
+def check_out_folder(out: Path, study: StudyConfig) -> None:
+    """A folder whose study.json another study wrote is not written over (results kept in git, or the only copy):
+    the same study again, or one that extends its categories and seeds with the same settings, may write there;
+    anything else is a ValueError naming the folder and what differs."""
+    path = out / "study.json"
+    if not path.exists():
+        return
+    try:
+        config = json.loads(path.read_text()).get("config")
+    except (OSError, ValueError, AttributeError):
+        config = None
+    if not isinstance(config, dict):
+        raise ValueError(f"--out {out}: {path} is not a study.json this command wrote; pass another --out")
+    theirs = {k: v for k, v in config.items() if k not in ("categories", "seeds")}
+    ours = json.loads(json.dumps(study.settings()))  # as study.json holds them: budgets as lists
+    differ = sorted(k for k in set(theirs) | set(ours) if theirs.get(k) != ours.get(k))
+    for key in ("categories", "seeds"):
+        if not set(config.get(key) or []) <= set(getattr(study, key)):
+            differ.append(f"{key} {config.get(key)} not all in this study's {getattr(study, key)}")
+    if differ:
+        raise ValueError(f"--out {out}: its study.json holds another study's results (it differs in "
+                         f"{', '.join(differ)}), which this run would write over; pass another --out "
+                         f"(--adopt {path} takes over its matching instances)")
 
 
 def _computed_here() -> dict:

@@ -26,6 +26,7 @@ from anchor_rm.losses import (
     anchor_loss,
     confidence_alpha,
     confidence_w2s_loss,
+    check_layer_settings,
     resolve_anchor_layers,
     soft_bradley_terry_loss,
 )
@@ -242,10 +243,9 @@ def train_reward_model(
     elif world > 1:
         device = next(core.parameters()).device
         model = torch.nn.parallel.DistributedDataParallel(model, device_ids=[device.index] if device.type == "cuda" else None)
+    check_layer_settings(config.frozen_layers, [config.anchor_layers] if config.uses_anchor else [],
+                         core.config.num_hidden_layers)
     layers = resolve_anchor_layers(config.anchor_layers, core.config.num_hidden_layers) if config.uses_anchor else []
-    if layers and config.frozen_layers >= min(layers):
-        raise ValueError(f"frozen_layers {config.frozen_layers} would freeze anchored layer {min(layers)} "
-                         f"(anchor_layers {config.anchor_layers!r} -> {layers}): freeze fewer layers")
     freeze_lower_layers(core, config.frozen_layers)
     if isinstance(reference, ReferenceStates):
         if reference.digest != encoded_digest(train):

@@ -20,7 +20,8 @@ from anchor_rm.losses import resolve_anchor_layers
 from anchor_rm.reference_cache import (ReferenceStates, choose_reference_cache, compute_reference_states,
                                       default_budget_bytes, disk_free_bytes, estimate_reference_nbytes, storage_dtype)
 from anchor_rm.metrics import pairwise_accuracy, tie_rate
-from anchor_rm.models import SCORER_CONFIG, ModelSource, is_decoder, load_reward_model, load_tokenizer, resolve_model
+from anchor_rm.models import (SCORER_CONFIG, ModelSource, check_max_length, is_decoder, load_reward_model, load_tokenizer,
+                              resolve_model)
 from anchor_rm.ood_flag import DensityFit, FlaggedSet, fit_density, load_density
 from anchor_rm.report import SplitResult
 from anchor_rm.scoring import EncodedPairs, HiddenStatesHook, RewardScorer, encode_pairs
@@ -57,6 +58,7 @@ def load_pretrained(name: str, max_length: int, seed: int, *, lora_rank: int = 0
     source: ModelSource = resolve_model(name)
     torch.manual_seed(seed)
     model = load_reward_model(source)
+    check_max_length(model.config, max_length, source.name)
     tokenizer = load_tokenizer(source)
     encoder = RewardEncoder(tokenizer, max_length, is_decoder(model))
     if lora_rank:
@@ -168,6 +170,7 @@ def load_saved(folder: str | Path, max_length: int | None = None, *, adapters: b
         model = load_adapters(model, folder / info["lora"]["adapter"])
     else:
         model = load_reward_model(source, dropout=None).eval()
+    check_max_length(model.config, int(length), str(folder))
     return RewardModel(model, tokenizer, RewardEncoder(tokenizer, int(length), is_decoder(model)),
                        info.get("base_model", str(folder)), load_density(folder))
 

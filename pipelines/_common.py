@@ -84,9 +84,10 @@ def add_dry_run_argument(parser) -> None:
 
 
 def memory_plan_or_dry_run(cfg, args, *, device: str = "cpu", workers: int = 1, workers_per_machine: int = 1,
-                           worker_memory: int | None = None) -> bool:
+                           worker_memory: int | None = None, anchor_layer_choices: tuple | None = None) -> bool:
     """The memory plan, logged before anything starts; a plan that will not fit stops the run here in one line
-    (MemoryPlanError, which clean_errors prints). With --dry-run, the configuration, the datasets and the plans
+    (MemoryPlanError, which clean_errors prints), as do settings the models' configs refuse (protocol_plans;
+    `anchor_layer_choices`: a search's layer choices, each checked against --frozen-layers). With --dry-run, the configuration, the datasets and the plans
     are printed instead of logged, and True says: stop."""
     import json
 
@@ -94,8 +95,8 @@ def memory_plan_or_dry_run(cfg, args, *, device: str = "cpu", workers: int = 1, 
     from anchor_rm.memory_plan import check_protocol_memory, protocol_plans
 
     strategy = cfg.student_train.strategy
-    limits = {"strategy": strategy, "workers": workers, "device": device, "workers_per_machine": workers_per_machine,
-              "worker_memory": worker_memory}
+    planned = {"strategy": strategy, "workers": workers, "device": device, "anchor_layer_choices": anchor_layer_choices}
+    limits = {**planned, "workers_per_machine": workers_per_machine, "worker_memory": worker_memory}
     if not args.dry_run:
         check_protocol_memory(cfg, **limits, log=logging.getLogger("anchor_rm"))
         return False
@@ -107,7 +108,7 @@ def memory_plan_or_dry_run(cfg, args, *, device: str = "cpu", workers: int = 1, 
         print(f"- {schema['dataset']} ({schema['role']}): from {schema['from']}; reader {schema['reader']} -> "
               f"(prompt, chosen, rejected); licence {schema['license']}")
     print("\nmemory plan:")
-    for role, plan in protocol_plans(cfg, strategy=strategy, workers=workers, device=device).items():
+    for role, plan in protocol_plans(cfg, **planned).items():
         print(f"- {role}: {plan.summary()}")
     check_protocol_memory(cfg, **limits)
     print("\nthe plan fits; nothing was trained (--dry-run)")
@@ -116,6 +117,17 @@ def memory_plan_or_dry_run(cfg, args, *, device: str = "cpu", workers: int = 1, 
 
 UNITS = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12, "KIB": 2**10, "MIB": 2**20, "GIB": 2**30,
          "TIB": 2**40}
+
+
+def seed_number(text: str) -> int:
+    """argparse type: a seed, a whole number >= 0 (numpy's generators take no negative seed)."""
+    try:
+        value = int(text)
+    except ValueError:
+        value = -1
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"expected a whole number >= 0, got {text!r}")
+    return value
 
 
 def byte_size(text: str) -> int:
@@ -159,7 +171,8 @@ def setup_logging(verbose: bool = False) -> None:
 @contextmanager
 def clean_errors():
     """Bad input ends the program with one line naming what is wrong, not a library traceback
-    (ANCHOR_RM_DEBUG=1 shows the traceback). DataError and ModelError are ValueErrors."""
+    (ANCHOR_RM_DEBUG=1 shows the traceback). DataError and ModelError are ValueErrors; an MLflow store's error is
+    one line too."""
     try:
         yield
     except (ValueError, FileNotFoundError) as exc:
@@ -175,6 +188,12 @@ def clean_errors():
     except KeyboardInterrupt:
         print("interrupted", file=sys.stderr)
         sys.exit(130)
+    except Exception as exc:  # an MLflow store's error (a server gone, a name it refuses): one line naming it
+        mlflow_errors = sys.modules.get("mlflow.exceptions")
+        if mlflow_errors is None or not isinstance(exc, mlflow_errors.MlflowException) or os.environ.get("ANCHOR_RM_DEBUG"):
+            raise
+        print(f"error: MLflow: {getattr(exc, 'message', None) or exc}", file=sys.stderr)
+        sys.exit(2)
 
 
 def os_error_line(exc: OSError) -> str:

@@ -39,7 +39,7 @@ from pathlib import Path
 
 os.environ.setdefault("MLFLOW_ENABLE_ARTIFACTS_PROGRESS_BAR", "false")  # one bar per download drowns the log
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _common import add_precision_argument, clean_errors, setup_logging  # noqa: E402
+from _common import add_precision_argument, clean_errors, seed_number, setup_logging  # noqa: E402
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -64,7 +64,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--hub-split", default="train", help="split of a hub data set (default: train)")
     p.add_argument("--max-pairs", type=int, metavar="N",
                    help="score a seeded sample of at most N pairs per data set (default: all)")
-    p.add_argument("--seed", type=int, default=0, help="seed of the --max-pairs sample (default: 0)")
+    p.add_argument("--seed", type=seed_number, default=0, help="seed of the --max-pairs sample (default: 0)")
     p.add_argument("--max-length", type=int,
                    help="tokens per (prompt, response) (default: what the model was trained with)")
     p.add_argument("--batch-size", type=int, default=32, help="pairs per scoring batch (default: 32)")

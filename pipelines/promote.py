@@ -88,8 +88,8 @@ def main(argv=None) -> int:
         parser.error("--repair needs --check")
     if args.check and (args.rollback or args.version or args.force):
         parser.error("--check takes no --rollback, --version or --force")
-    if args.settle_seconds < 0:
-        parser.error("--settle-seconds must be >= 0")
+    if not 0 <= args.settle_seconds < float("inf"):  # nan fails both comparisons
+        parser.error(f"--settle-seconds must be a finite number of seconds >= 0, got {args.settle_seconds}")
     setup_logging(args.verbose)
     os.environ.setdefault("MLFLOW_ENABLE_ARTIFACTS_PROGRESS_BAR", "false")
     with clean_errors():

@@ -1,9 +1,9 @@
 """The preference-shift study: both categories, every method, an ANCHOR lambda sweep per layer choice,
 three seeds, representation drift; then the tables and plots of docs/results.md.
 
-    python pipelines/study.py                         # the whole study (hours on 2 CPU cores; resumable)
-    python pipelines/study.py --categories helpful --seeds 0
-    python pipelines/study.py --preset smoke --seeds 0 --lambdas 1e-2   # a few minutes: the whole path
+    python pipelines/study.py                         # the whole study into ./study (hours on 2 CPU cores; resumable)
+    python pipelines/study.py --categories helpful --seeds 0 --out study-helpful
+    python pipelines/study.py --preset smoke --seeds 0 --lambdas 1e-2 --out smoke   # a few minutes: the whole path
 
 Every run goes to the MLflow experiment `anchor-rm-study` (--experiment). Each student is a run keyed by its
 inputs: run the same command again after an interruption and finished students are read back, not trained
@@ -12,7 +12,7 @@ say how many students are done and about how long the rest will take.
 
 Each finished (category, seed) is also recorded in <out>/instances/ with the key of its inputs: a later run
 with the same --out reads it back with no MLflow store (another machine, a fresh clone), so a long study can
-be finished a few seeds at a time. --adopt takes over the instances of an earlier study.json that were made
+be finished a few seeds at a time. A folder holding another study's study.json is refused, not written over. --adopt takes over the instances of an earlier study.json that were made
 with this command's settings and the same split sizes (say, seeds 0-4 of a study this one extends to 9).
 """
 
@@ -76,8 +76,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--preset", choices=["study", "smoke"], default="study",
                    help="study: the sizes of docs/results.md; smoke: tiny, for tests")
     add_precision_argument(p)
-    p.add_argument("--out", default="docs/results",
-                   help="folder for study.json, tables.md, the plots and instances/ (docs/results)")
+    p.add_argument("--out", default="study",
+                   help="folder for study.json, tables.md, the plots and instances/ (default ./study); one that "
+                        "holds another study's study.json is refused")
     p.add_argument("--adopt", action="append", default=[], metavar="STUDY_JSON",
                    help="an earlier study.json whose instances with this command's settings and split sizes are taken "
                         "over instead of computed (repeatable)")
@@ -104,7 +105,7 @@ def main(argv=None) -> int:
     args = build_parser().parse_args(argv)
     setup_logging(args.verbose)
     with clean_errors():
-        from anchor_rm.study import StudyConfig, run_study
+        from anchor_rm.study import StudyConfig, check_out_folder, run_study
         from anchor_rm.study_report import write_study_report
         from anchor_rm.mlflow_edge.store import configure, resolve_tracking_uri
 
@@ -113,6 +114,7 @@ def main(argv=None) -> int:
                             budgets=args.budgets, preset=args.preset, precision=args.precision)
         adopt = [(path, _read_study(path)) for path in args.adopt]
         out = Path(args.out)
+        check_out_folder(out, study)
         out.mkdir(parents=True, exist_ok=True)
         started = time.perf_counter()
         experiment_id = configure(args.tracking_uri, args.experiment)

@@ -20,7 +20,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _common import (  # noqa: E402
     SCALE_FIELDS, add_dry_run_argument, add_precision_argument, add_scale_arguments, add_teacher_labels_argument,
-    apply_shared_flags, category_of, clean_errors, memory_plan_or_dry_run, protocol_parser, setup_logging)
+    apply_shared_flags, category_of, clean_errors, memory_plan_or_dry_run, protocol_parser, seed_number, setup_logging)
 
 log = logging.getLogger("anchor_rm")
 
@@ -49,7 +49,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_teacher_labels_argument(p)
     add_scale_arguments(p)
     add_dry_run_argument(p)
-    p.add_argument("--seed", type=int)
+    p.add_argument("--seed", type=seed_number)
     add_precision_argument(p)
     p.add_argument("--min-gap", type=float, metavar="POINTS",
                    help="stop before training the student unless the strong ceiling beats the weak teacher on ID "

@@ -23,7 +23,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from _common import (  # noqa: E402
     SCALE_FIELDS, add_dry_run_argument, add_precision_argument, add_scale_arguments, add_teacher_labels_argument,
-    apply_shared_flags, byte_size, category_of, clean_errors, memory_plan_or_dry_run, protocol_parser, setup_logging)
+    apply_shared_flags, byte_size, category_of, clean_errors, memory_plan_or_dry_run, protocol_parser, seed_number,
+    setup_logging)
 
 
 
@@ -54,7 +55,7 @@ def build_parser() -> argparse.ArgumentParser:
                         "(default 2); Tune then retries the whole trial once more")
     p.add_argument("--student", help="student model: short name, folder or hub id")
     p.add_argument("--teacher", help="weak teacher: short name, folder or hub id")
-    p.add_argument("--seed", type=int, default=0, help="seed of the splits, the models and the search")
+    p.add_argument("--seed", type=seed_number, default=0, help="seed of the splits, the models and the search")
     add_precision_argument(p)
     p.add_argument("--min-gap", type=float, metavar="POINTS",
                    help="stop before the search unless the strong ceiling beats the weak teacher on ID validation by "
@@ -134,12 +135,9 @@ def main(argv=None) -> int:
         from anchor_rm.mlflow_edge.store import resolve_tracking_uri
         from tuning.main_job import MainJobSettings, run_main_job
         from tuning.search import SearchFailed
+        from tuning.space import LAYER_CHOICES
 
         cfg = tune_config(args)
-        if memory_plan_or_dry_run(cfg, args, device=plan_device(args.use_gpu), workers=args.workers_per_trial,
-                                  workers_per_machine=args.concurrency * args.workers_per_trial,
-                                  worker_memory=args.worker_memory):
-            return 0
         settings = MainJobSettings(
             preset=args.preset, storage_path=args.storage_path, name=args.name, resume=args.resume,
             tracking_uri=resolve_tracking_uri(args.tracking_uri),
@@ -148,6 +146,11 @@ def main(argv=None) -> int:
             reference_cache=args.reference_cache, reference_cache_budget=args.reference_cache_budget,
             use_gpu=args.use_gpu,
             ray_address=args.ray_address, num_cpus=args.num_cpus, seed=args.seed)
+        settings.check_batch(cfg.student_train.batch_size)
+        if memory_plan_or_dry_run(cfg, args, device=plan_device(args.use_gpu), workers=args.workers_per_trial,
+                                  workers_per_machine=args.concurrency * args.workers_per_trial,
+                                  worker_memory=args.worker_memory, anchor_layer_choices=LAYER_CHOICES):
+            return 0
         try:
             result = run_main_job(cfg, settings)
         except SearchFailed as exc:  # the trials' own errors were logged above, one line each

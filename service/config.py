@@ -41,6 +41,7 @@ keeps idle connections KEEP_ALIVE_SECONDS instead, longer than common clients' p
 from __future__ import annotations
 
 import json
+import math
 import os
 import re
 import sys
@@ -111,6 +112,8 @@ _FILE_ONLY_FORBIDDEN = {"api_key"}
 
 
 def _parse(name: str, source: str, raw: object) -> object:
+    if raw is None or isinstance(raw, (dict, list)):  # JSON null, a table or a list: never a setting's value
+        raise SettingsError(f"{source}={raw!r}: expected a single value")
     if name in _POSITIVE_INTS or name in _NON_NEGATIVE_INTS:
         least, expected = (0, _NON_NEGATIVE_INTS[name]) if name in _NON_NEGATIVE_INTS else (1, "a positive whole number")
         try:
@@ -119,15 +122,17 @@ def _parse(name: str, source: str, raw: object) -> object:
             value = least - 1
         if value < least:
             raise SettingsError(f"{source}={raw!r}: expected {expected}")
+        if name == "port" and value > 65535:
+            raise SettingsError(f"{source}={raw!r}: expected a TCP port, 1 to 65535")
         return value
     if name in ("poll_seconds", "timeout_seconds"):
         try:
             value = float(str(raw).strip())
         except ValueError:
-            raise SettingsError(f"{source}={raw!r}: expected a number of seconds") from None
-        if value < 0 or (name == "timeout_seconds" and value == 0):
+            raise SettingsError(f"{source}={raw!r}: expected a (finite) number of seconds") from None
+        if not math.isfinite(value) or value < 0 or (name == "timeout_seconds" and value == 0):
             raise SettingsError(f"{source}={raw!r}: expected a {'positive' if name == 'timeout_seconds' else 'non-negative'} "
-                                "number of seconds")
+                                "finite number of seconds")
         return value
     if name in ("batching", "ood_flag"):
         text = str(raw).strip().lower()

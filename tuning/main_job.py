@@ -5,6 +5,7 @@ the final evaluation and registration (tuning/final.py)."""
 from __future__ import annotations
 
 import logging
+import re
 import time
 from dataclasses import dataclass, field
 from datetime import datetime
@@ -56,6 +57,14 @@ class MainJobSettings:
                                  "decide (drop one of the two)")
             if self.num_cpus < 1:
                 raise ValueError(f"--num-cpus must be at least 1, not {self.num_cpus}")
+        if self.registered_name and not re.fullmatch(r"[^/:'\"]+", self.registered_name.strip()):
+            raise ValueError(f"--registered-name {self.registered_name!r}: MLflow's model names take no /, :, or quotes")
+
+    def check_batch(self, batch_size: int) -> None:
+        """Each Ray Train worker takes an equal share of a step's pairs: refused here, not in every trial."""
+        if batch_size % self.workers_per_trial:
+            raise ValueError(f"--workers-per-trial {self.workers_per_trial} does not divide the preset's student batch "
+                             f"of {batch_size} pairs: each worker takes an equal share of a step")
 
 
 @dataclass
@@ -76,6 +85,20 @@ def experiment_name(prefix: str, storage: Path, name: str | None, resume: bool) 
             raise ValueError(f"--resume: no experiment named {prefix}-* under {storage}; pass --name")
         return existing[-1]
     return f"{prefix}-{datetime.now().strftime('%Y%m%d-%H%M%S')}"
+
+
+def check_resumable(name: str, storage: Path, experiment_id: str, experiment: str) -> None:
+    """--resume --name NAME: the experiment must exist, in Tune's storage or as a tune run in MLflow (a driver
+    killed during the shared stages leaves neither: run it again without --resume, its stages are reused).
+    A misspelt name would otherwise start a whole new search, quietly."""
+    if (storage / name).is_dir() or runs.find_run(experiment_id, {keys.TUNE_NAME_TAG: name}) is not None:
+        return
+    existing = sorted(p.name for p in storage.iterdir() if p.is_dir() and any(p.glob("*/experiment_state-*.json")))[-5:] \
+        if storage.is_dir() else []
+    raise ValueError(f"--resume --name {name}: no such experiment (nothing at {storage / name}, no tune run named {name} "
+                     f"in MLflow experiment {experiment}); "
+                     + (f"experiments under {storage}: {', '.join(existing)}" if existing else f"none under {storage}")
+                     + "; to start it, run without --resume")
 
 
 def parent_run(experiment_id: str, name: str, resume: bool) -> str:
@@ -105,6 +128,8 @@ def run_main_job(cfg: ProtocolConfig, settings: MainJobSettings) -> MainJobResul
     storage = Path(settings.storage_path).resolve()
     name = experiment_name(f"{cfg.category}-{settings.preset}", storage, settings.name, settings.resume)
     experiment_id = configure(settings.tracking_uri, f"anchor-rm-{cfg.category}")
+    if settings.resume and settings.name:
+        check_resumable(name, storage, experiment_id, f"anchor-rm-{cfg.category}")
     num_samples = settings.num_samples or TUNE_SAMPLES[settings.preset]
 
     log.info("experiment %s: student %s, teacher %s, source %s, targets %s", name, cfg.student, cfg.teacher,

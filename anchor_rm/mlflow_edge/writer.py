@@ -8,7 +8,6 @@ import json
 import logging
 import os
 import time
-from contextlib import contextmanager
 from pathlib import Path
 
 from mlflow.entities import Metric
@@ -43,20 +42,8 @@ def outage_seconds_from_env(environ=os.environ) -> float:
 ATTEMPT_TIMEOUT_S = 5
 
 
-@contextmanager
 def _one_bounded_attempt():
-    """MLflow's REST client reads its retry count and timeout from the environment on every request."""
-    names = ("MLFLOW_HTTP_REQUEST_MAX_RETRIES", "MLFLOW_HTTP_REQUEST_TIMEOUT")
-    saved = {name: os.environ.get(name) for name in names}
-    os.environ.update({"MLFLOW_HTTP_REQUEST_MAX_RETRIES": "0", "MLFLOW_HTTP_REQUEST_TIMEOUT": str(ATTEMPT_TIMEOUT_S)})
-    try:
-        yield
-    finally:
-        for name, value in saved.items():
-            if value is None:
-                os.environ.pop(name, None)
-            else:
-                os.environ[name] = value
+    return store.bounded_requests(0, ATTEMPT_TIMEOUT_S)
 
 
 PENDING_FILE = "pending_metrics.json"  # in a checkpoint: the values the server had not taken yet
