@@ -87,8 +87,8 @@ def memory_plan_or_dry_run(cfg, args, *, device: str = "cpu", workers: int = 1, 
                            worker_memory: int | None = None, anchor_layer_choices: tuple | None = None) -> bool:
     """The memory plan, logged before anything starts; a plan that will not fit stops the run here in one line
     (MemoryPlanError, which clean_errors prints), as do settings the models' configs refuse (protocol_plans;
-    `anchor_layer_choices`: a search's layer choices, each checked against --frozen-layers). With --dry-run, the configuration, the datasets and the plans
-    are printed instead of logged, and True says: stop."""
+    `anchor_layer_choices`: a search's layer choices, each checked against --frozen-layers). With --dry-run, the
+    configuration, the datasets and the plans are printed instead of logged, and True says: stop."""
     import json
 
     from anchor_rm.catalog import data_schema

@@ -12,8 +12,9 @@ say how many students are done and about how long the rest will take.
 
 Each finished (category, seed) is also recorded in <out>/instances/ with the key of its inputs: a later run
 with the same --out reads it back with no MLflow store (another machine, a fresh clone), so a long study can
-be finished a few seeds at a time. A folder holding another study's study.json is refused, not written over. --adopt takes over the instances of an earlier study.json that were made
-with this command's settings and the same split sizes (say, seeds 0-4 of a study this one extends to 9).
+be finished a few seeds at a time. A folder holding another study's study.json is refused, not written over.
+--adopt takes over the instances of an earlier study.json that were made with this command's settings and the
+same split sizes (say, seeds 0-4 of a study this one extends to 9).
 """
 
 from __future__ import annotations
