@@ -118,6 +118,8 @@ class RewardEncoder:
         if self.decoder:
             ids = head + prompt_ids + response_ids
             mask = [0] * (len(head) + len(prompt_ids)) + [1] * len(response_ids)
+            if ids:  # the head reads the last token: the response's last, or the prompt's when the response is empty
+                mask[-1] = 1
             types = None
         else:
             t = self._template

@@ -203,18 +203,19 @@ def check_count(field_name: str, values: Any, limit: int, setting: str) -> None:
 
 
 def check_pairs(prompts: Sequence[str], responses: Sequence[str], limits: ServingLimits) -> None:
-    """/score: 1 to max_items pairs, no empty or oversized text."""
+    """/score: 1 to max_items pairs, no empty prompt, no oversized text. An empty response is scored (a policy
+    may stop at once: an RL trainer's reward function must not fail on it), as /get_reward and /reward do."""
     check_count("items", list(prompts), limits.max_items, "max_items")
     for i, (prompt, response) in enumerate(zip(prompts, responses)):
         check_text(f"items[{i}].prompt", prompt, limits)
-        check_text(f"items[{i}].response", response, limits)
+        check_text(f"items[{i}].response", response, limits, allow_empty=True)
 
 
 def check_best_of_n(prompt: str, candidates: Sequence[str], limits: ServingLimits) -> None:
     check_text("prompt", prompt, limits)
     check_count("candidates", candidates, limits.max_candidates, "max_candidates")
     for i, candidate in enumerate(candidates):
-        check_text(f"candidates[{i}]", candidate, limits)
+        check_text(f"candidates[{i}]", candidate, limits, allow_empty=True)  # an empty sample is a sample
 
 
 def check_compare(prompt: str, response_a: str, response_b: str, limits: ServingLimits) -> None:

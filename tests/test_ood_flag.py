@@ -180,3 +180,19 @@ def test_a_saved_model_serves_its_flag_and_the_report_measures_it(tmp_path, mini
     wrong["sets"][0]["flagged_fraction"] = 1.5
     with pytest.raises(ValueError, match=r"ood_flag.sets\[0\].flagged_fraction"):
         build_report(model, rows, selection_splits="val", figure_splits="test", ood_flag=wrong)
+
+
+@pytest.mark.parametrize("architecture", ["bert", "llama"])
+def test_an_empty_response_scores_with_a_finite_reward_and_ood_score(architecture, minilm_tokenizer):
+    """A policy may stop at once: /score, /best_of_n and /get_reward score an empty response like any other."""
+    from helpers import tiny_bert, tiny_llama
+
+    from anchor_rm.encoding import RewardEncoder
+    from anchor_rm.workflow import RewardModel, fit_ood_flag
+
+    model = (tiny_bert if architecture == "bert" else tiny_llama)(minilm_tokenizer, 0).eval()
+    rm = RewardModel(model, minilm_tokenizer, RewardEncoder(minilm_tokenizer, 40, decoder=architecture == "llama"), "tiny")
+    fit_ood_flag(rm, pairs(40), pairs(20, offset=2), fit_split="student_train", threshold_split="toy/val")
+    assert any(rm.encoder.encode("Question 1: tell me.", "").anchor_mask)  # [CLS] or the answer's header
+    scored = rm.scorer().score(["Question 1: tell me.", "Question 2: and you?"], ["", "   "])
+    assert np.isfinite(scored.rewards).all() and np.isfinite(scored.ood_scores).all()

@@ -60,6 +60,12 @@ def test_bad_requests_name_the_field_and_the_limit(call, field, words):
     assert info.value.to_dict() == {"error": message, "field": field}
 
 
+def test_an_empty_response_or_candidate_is_scored_not_refused():
+    """A policy may stop at once: TRL's reward function scores through /score and must not fail on it."""
+    schemas.check_pairs(["p", "q"], ["", "  "], LIMITS)
+    schemas.check_best_of_n("p", ["", "a"], LIMITS)
+
+
 def test_limits_at_the_edge_pass():
     schemas.check_pairs(["p"] * 4, ["é" * 10] * 4, LIMITS)  # exactly 4 items of exactly 20 bytes
     schemas.check_best_of_n("p", ["a", "b", "c"], LIMITS)
