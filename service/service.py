@@ -170,11 +170,13 @@ class RewardService:
             raise ServiceUnavailable(str(exc)) from None
 
     async def _score_with_tokens(self, prompts: list[str], responses: list[str]) -> tuple[Scored, list[int], str]:
-        """The pairs scored, the tokens each was scored on (for usage), and the served model's id."""
+        """The pairs scored, the tokens each was scored on (for usage), and the id of the model that scored them:
+        a reload while they were scored must not give the rewards of one version the tokens and id of the next."""
+        before = self.holder.current
         scored = await self._score(prompts, responses)
-        model = self.holder.current
+        model = before if before.ref == scored.model else self.holder.current
         tokens = await anyio.to_thread.run_sync(model.token_counts, prompts, responses)
-        return scored, tokens, _model_id(model)
+        return scored, tokens, scored.model.name
 
     @bentoml.api(route="/score")
     async def score(self, request: ScoreRequest, /) -> ScoreResponse:
