@@ -120,7 +120,7 @@ def load_density(folder: str | Path) -> DensityFit | None:
                          float(info["threshold_quantile"]), str(info["threshold_split"]), reference)
     except (OSError, ValueError, KeyError, TypeError) as exc:
         raise ValueError(f"{folder}: the OOD flag's fit ({INFO_FILE}, {ARRAYS_FILE}) cannot be read: {exc}") from None
-    if basis.shape != (len(variances), len(mean)) or not np.all(variances > 0):
+    if basis.shape != (len(variances), len(mean)) or not np.all(variances > 0) or not fit.residual_variance > 0:
         raise ValueError(f"{folder / ARRAYS_FILE}: basis {basis.shape}, {len(variances)} variances and a mean of "
                          f"{len(mean)} do not fit together (or a variance is not positive)")
     return fit

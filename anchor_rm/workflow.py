@@ -171,8 +171,12 @@ def load_saved(folder: str | Path, max_length: int | None = None, *, adapters: b
     else:
         model = load_reward_model(source, dropout=None).eval()
     check_max_length(model.config, int(length), str(folder))
+    density = load_density(folder)
+    if density is not None and density.dimensions != model.config.hidden_size:  # else every request would fail
+        raise ValueError(f"{folder}: the OOD flag's fit has {density.dimensions} dimensions, the model's states "
+                         f"{model.config.hidden_size}: the fit belongs to another model")
     return RewardModel(model, tokenizer, RewardEncoder(tokenizer, int(length), is_decoder(model)),
-                       info.get("base_model", str(folder)), load_density(folder))
+                       info.get("base_model", str(folder)), density)
 
 
 def export_sharded(folder: str | Path) -> Path:

@@ -245,3 +245,22 @@ def test_promote_refuses_a_settle_time_that_is_not_finite(tmp_path, value):
     bad = run_pipeline("promote.py", "--settle-seconds", value, cwd=tmp_path, timeout=240)
     assert bad.returncode == 2 and "--settle-seconds must be a finite number of seconds >= 0" in bad.stderr
     assert not (tmp_path / "mlflow.db").exists()
+
+
+def test_an_ood_fit_of_another_models_width_is_refused_when_the_model_loads(tmp_path, minilm_tokenizer):
+    """Else /readyz turns ready and every scoring request fails."""
+    import numpy as np
+
+    from helpers import tiny_reward_model
+
+    from anchor_rm.ood_flag import fit_density
+    from anchor_rm.workflow import load_saved, save_reward_model
+
+    rm = tiny_reward_model(minilm_tokenizer, 0, 40)  # 32 wide
+    rng = np.random.default_rng(0)
+    rm.density = fit_density(rng.normal(size=(60, 8)), rng.normal(size=(20, 8)), fit_split="student_train",
+                             threshold_split="toy/val")
+    save_reward_model(rm, tmp_path / "model")
+    with pytest.raises(ValueError, match="the OOD flag's fit has 8 dimensions, the model's states 32: the fit "
+                                         "belongs to another model"):
+        load_saved(tmp_path / "model")
