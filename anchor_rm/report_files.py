@@ -252,9 +252,9 @@ def _render_png(report: EvaluationReport) -> bytes:
     return buffer.getvalue()
 
 
-def _write_atomically(path: Path, data: bytes) -> None:
-    # A temp file in the same directory, then os.replace: readers see the old file or the new one,
-    # never a half-written one, and a failure leaves no temp file behind.
+def write_atomically(path: Path, data: bytes) -> None:
+    """A temp file in the same directory, then os.replace: readers see the old file or the new one, never a
+    half-written one (a kill, a full disk), and a failure leaves no temp file behind."""
     descriptor, temp_name = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
     try:
         with os.fdopen(descriptor, "wb") as handle:
@@ -271,7 +271,7 @@ def _write_atomically(path: Path, data: bytes) -> None:
 
 def report_to_png(report: EvaluationReport, path: str | Path) -> Path:
     path = Path(path)
-    _write_atomically(path, _render_png(report))
+    write_atomically(path, _render_png(report))
     return path
 
 
@@ -287,7 +287,7 @@ def write_report(report: EvaluationReport, out_dir: str | Path) -> dict[str, Pat
     }
     paths = {kind: out_dir / REPORT_FILENAMES[kind] for kind in contents}
     for kind, data in contents.items():
-        _write_atomically(paths[kind], data)
+        write_atomically(paths[kind], data)
     return paths
 
 

@@ -8,6 +8,7 @@ Every figure reported is on test splits.
 
 from __future__ import annotations
 
+import io
 import math
 from pathlib import Path
 from typing import Callable, Sequence
@@ -16,6 +17,7 @@ import numpy as np
 
 from anchor_rm.mlflow_edge.keys import validation_metrics
 from anchor_rm.metrics import accuracy_standard_error, transfer_metrics
+from anchor_rm.report_files import write_atomically
 from anchor_rm.workflow import scores_from_dict
 
 Metrics = dict  # one model in one protocol instance: id_acc, wrg, aog{}, nts{}, mean_nts, pgr, drift, ...
@@ -365,8 +367,10 @@ def _plot(instances_by_category: dict[str, list[dict]], rows_by_category: dict, 
         for ax, cat in zip(axes[0], cats):
             draw(ax, cat)
         fig.tight_layout()
-        fig.savefig(out / name, dpi=110)
+        buffer = io.BytesIO()
+        fig.savefig(buffer, format="png", dpi=110)
         plt.close(fig)
+        write_atomically(out / name, buffer.getvalue())
         return out / name
 
     def nts_vs_lambda(ax, cat: str) -> None:
@@ -470,5 +474,5 @@ def write_study_report(instances: list[dict], out: str | Path) -> list[Path]:
     paths = _plot(by_category, rows_by_category, out)
     lines += ["## Plots", ""] + [f"![{p.stem}]({p.name})" for p in paths] + [""]
     table_path = out / "tables.md"
-    table_path.write_text("\n".join(lines))
+    write_atomically(table_path, "\n".join(lines).encode())
     return [table_path, *paths]

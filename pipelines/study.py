@@ -107,6 +107,7 @@ def main(argv=None) -> int:
     setup_logging(args.verbose)
     with clean_errors():
         from anchor_rm.study import StudyConfig, check_out_folder, run_study
+        from anchor_rm.report_files import write_atomically
         from anchor_rm.study_report import write_study_report
         from anchor_rm.mlflow_edge.store import configure, resolve_tracking_uri
 
@@ -120,7 +121,8 @@ def main(argv=None) -> int:
         started = time.perf_counter()
         experiment_id = configure(args.tracking_uri, args.experiment)
         instances = run_study(study, experiment_id, print_fn=lambda line: print(line, flush=True), out=out, adopt=adopt)
-        (out / "study.json").write_text(json.dumps({"config": study.to_dict(), "instances": instances}, indent=1))
+        # whole or not at all: a kill here must not leave the only record of a long study cut short
+        write_atomically(out / "study.json", json.dumps({"config": study.to_dict(), "instances": instances}, indent=1).encode())
         paths = write_study_report(instances, out)
         print(f"\nstudy finished in {time.perf_counter() - started:.0f} s; wrote {', '.join(str(p) for p in paths)}")
         print(f"browse: mlflow ui --backend-store-uri {resolve_tracking_uri(args.tracking_uri)}")
