@@ -178,11 +178,16 @@ def test_only_live_attached_groups_of_an_ended_earlier_driver_are_orphans():
 
 @pytest.mark.timeout(60)
 def test_drivers_file_skips_a_line_cut_by_a_kill(tmp_path):
-    from tuning.orphans import DRIVERS_FILE, earlier_drivers
+    from tuning.orphans import DRIVERS_FILE, append_record, earlier_drivers
 
     assert earlier_drivers(tmp_path) == set()
     (tmp_path / DRIVERS_FILE).write_text('{"job_id": "01000000", "start_time": 5}\n{"job_id": "02000')
     assert earlier_drivers(tmp_path) == {("01000000", 5)}
+    append_record(tmp_path / DRIVERS_FILE, {"job_id": "03000000", "start_time": 7})  # the next driver's record
+    assert earlier_drivers(tmp_path) == {("01000000", 5), ("03000000", 7)}
+    append_record(tmp_path / DRIVERS_FILE, {"job_id": "04000000", "start_time": 9})  # after a whole line: one line
+    assert (tmp_path / DRIVERS_FILE).read_text().splitlines()[-2:] == ['{"job_id": "03000000", "start_time": 7}',
+                                                                        '{"job_id": "04000000", "start_time": 9}']
 
 
 _MAKER = """
@@ -302,3 +307,44 @@ def test_a_writer_killed_mid_file_leaves_the_previous_file_whole(tmp_path):
     assert (storage / "experiment_state-1.json").read_text() == '{"trials": 2}'  # not cut short
     leftovers = [p.name for p in storage.iterdir() if p.name.endswith(".partial")]
     assert len(leftovers) == 1 and leftovers[0].startswith("."), leftovers  # hidden: no Tune pattern matches it
+
+
+def test_a_write_that_fails_leaves_the_previous_file_and_no_partial_one(tmp_path, monkeypatch):
+    """A full disk refuses a write (or the close's flush): the old file stays whole, no temporary file is left."""
+    import pyarrow.fs as pafs
+
+    from tuning import storage
+
+    fs = storage.experiment_filesystem()
+    target = tmp_path / "tuner.pkl"
+    target.write_bytes(b"the good one")
+    (tmp_path / "src").write_bytes(b"x" * (3 << 20))
+
+    class FullDisk:  # the temporary file, on a disk that takes no more bytes
+        def __init__(self, file):
+            self.file = file
+
+        def write(self, data):
+            raise OSError(28, "No space left on device")
+
+        def close(self):
+            self.file.close()
+
+    made = storage._ReplaceOnClose.__init__
+
+    def on_a_full_disk(self, path):
+        made(self, path)
+        self._file = FullDisk(self._file)
+
+    monkeypatch.setattr(storage._ReplaceOnClose, "__init__", on_a_full_disk)
+    with pytest.raises(OSError, match="No space left"):
+        with fs.open_output_stream(str(target)) as out:
+            out.write(b"half of the new one")
+    with pytest.raises(OSError, match="No space left"):
+        fs.copy_file(str(tmp_path / "src"), str(target))
+    assert target.read_bytes() == b"the good one"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["src", "tuner.pkl"]
+    monkeypatch.undo()
+    with fs.open_output_stream(str(target)) as out:  # and a write that succeeds replaces it whole
+        out.write(b"the new one")
+    assert target.read_bytes() == b"the new one" and isinstance(fs, pafs.FileSystem)

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -83,8 +84,15 @@ def record_driver(experiment_dir: Path) -> None:
                     "leave behind will not be released by --resume", _one_line(exc))
         return
     experiment_dir.mkdir(parents=True, exist_ok=True)
-    with open(experiment_dir / DRIVERS_FILE, "a") as f:
-        f.write(json.dumps({"job_id": job_id, "start_time": started, "recorded": time.time()}) + "\n")
+    append_record(experiment_dir / DRIVERS_FILE, {"job_id": job_id, "start_time": started, "recorded": time.time()})
+
+
+def append_record(path: Path, record: dict) -> None:
+    """One JSON line appended. A line that an earlier append left cut short (a kill, a full disk) is ended first,
+    so that this record stays a line of its own (earlier_drivers skips the broken one)."""
+    with open(path, "a+b") as f:
+        cut = f.tell() > 0 and (f.seek(-1, os.SEEK_END), f.read(1))[1] != b"\n"
+        f.write((("\n" if cut else "") + json.dumps(record) + "\n").encode())
 
 
 def earlier_drivers(experiment_dir: Path) -> set[tuple[str, int]]:

@@ -12,6 +12,7 @@ Tune's matches.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import secrets
 
@@ -20,7 +21,9 @@ import pyarrow.fs as pafs
 
 
 class _ReplaceOnClose:
-    """A binary file written under a temporary name and renamed to `path` on close."""
+    """A binary file written under a temporary name and renamed to `path` on close, unless a write or the close
+    itself failed (a full disk): then the temporary file goes and the old `path` stays. (An exception raised
+    between writes by the caller's own code is not seen here: pyarrow's file closes the same way either way.)"""
 
     def __init__(self, path: str):
         folder, name = os.path.split(path)
@@ -28,12 +31,21 @@ class _ReplaceOnClose:
         self.temporary = os.path.join(folder, f".{name}.{secrets.token_hex(4)}.partial")
         self._file = open(self.temporary, "wb")
         self.closed = False
+        self.failed = False
 
     def write(self, data) -> int:
-        return self._file.write(data)
+        try:
+            return self._file.write(data)
+        except BaseException:
+            self.failed = True
+            raise
 
     def flush(self) -> None:
-        self._file.flush()
+        try:
+            self._file.flush()
+        except BaseException:
+            self.failed = True
+            raise
 
     def tell(self) -> int:
         return self._file.tell()
@@ -51,8 +63,17 @@ class _ReplaceOnClose:
         if self.closed:
             return
         self.closed = True
-        self._file.close()
-        os.replace(self.temporary, self.path)
+        try:
+            self._file.close()  # flushes what is buffered: a full disk may refuse it here
+        except BaseException:
+            self.failed = True
+            raise
+        finally:
+            if self.failed:
+                with contextlib.suppress(FileNotFoundError):
+                    os.unlink(self.temporary)
+        if not self.failed:
+            os.replace(self.temporary, self.path)
 
 
 class ReplaceWholeFiles(pafs.FileSystemHandler):
@@ -101,9 +122,16 @@ class ReplaceWholeFiles(pafs.FileSystemHandler):
         self._local.move(src, dest)
 
     def copy_file(self, src, dest):
-        with self._local.open_input_stream(src) as source, self.open_output_stream(dest, None) as target:
-            while chunk := source.read(1 << 20):
-                target.write(chunk)
+        target = _ReplaceOnClose(dest)
+        try:
+            with self._local.open_input_stream(src) as source:
+                while chunk := source.read(1 << 20):
+                    target.write(chunk)
+        except BaseException:  # a read error, Ctrl-C: the old dest stays
+            target.failed = True
+            raise
+        finally:
+            target.close()
 
     def open_input_stream(self, path):
         return self._local.open_input_stream(path)
