@@ -24,6 +24,7 @@ import torch
 from anchor_rm.config import ProtocolConfig
 from anchor_rm.splits import ProtocolSplits
 from tuning.space import METRIC, trial_method_config
+from tuning.storage import experiment_filesystem
 
 TRAINING_STATE = "training_state.pt"
 # In each checkpoint: the checkpointed model's scores on every validation set, measured after that epoch
@@ -218,6 +219,9 @@ def train_run(config: dict, payload: SharedPayload, run_id: str, name: str, call
         run_config=ray.train.RunConfig(
             name=name,
             storage_path=str(Path(payload.storage_path) / "train"),
+            # Train's controller rewrites checkpoint_manager_snapshot.json after every epoch, which --resume
+            # reads back: written whole or not at all, as Tune's files are (tuning/storage.py)
+            storage_filesystem=experiment_filesystem(),
             failure_config=ray.train.FailureConfig(max_failures=payload.max_failures),
             checkpoint_config=ray.train.CheckpointConfig(num_to_keep=1),
             callbacks=callbacks or [],
