@@ -192,12 +192,14 @@ def compute_reference_states(reference: torch.nn.Module, encoded: EncodedPairs, 
     device = next(reference.parameters()).device
     storage = storage_dtype(precision, device.type)
     layers, digest = sorted(layers), encoded_digest(encoded)
+    model = model_fingerprint(reference)
     if into is not None:
-        found = _reusable(into, digest, layers, storage)
+        found = _reusable(into, digest, layers, storage, model)
         if found is not None:
             return found
     sequences = encoded.chosen + encoded.rejected
-    sink = _DiskWriter(into, anchored_positions(encoded), layers, reference.config.hidden_size, storage) if into else None
+    sink = (_DiskWriter(into, anchored_positions(encoded), layers, reference.config.hidden_size, storage, model)
+            if into else None)
     states: dict[int, list[torch.Tensor | None]] = {layer: [None] * len(sequences) for layer in layers}
     for batch_indices in length_sorted_batches([len(s.input_ids) for s in sequences], batch_size):
         batch = collate([sequences[i] for i in batch_indices], pad_token_id)
@@ -218,23 +220,43 @@ def compute_reference_states(reference: torch.nn.Module, encoded: EncodedPairs, 
     return ReferenceStates(layers, states, digest, len(encoded))
 
 
-def _reusable(folder: str | Path, digest: str, layers: list[int], storage: torch.dtype) -> DiskReferenceStates | None:
+def model_fingerprint(model: torch.nn.Module) -> str:
+    """Which weights computed a cache: the same sequences through another model (a student of the same tokenizer
+    and depth, a --name reused) must not find this model's states. Its name, shape and a sample of its first
+    and last parameters, hashed: cheap, and two checkpoints differ there."""
+    params = [p for p in model.parameters()]
+    digest = hashlib.sha256(f"{getattr(model.config, '_name_or_path', '')}|{sum(p.numel() for p in params)}".encode())
+    for p in (params[0], params[-1]):
+        digest.update(p.detach().float().flatten()[:4096].cpu().numpy().tobytes())
+    return digest.hexdigest()[:16]
+
+
+def _reusable(folder: str | Path, digest: str, layers: list[int], storage: torch.dtype,
+              model: str) -> DiskReferenceStates | None:
+    """The cache already in `folder` when it holds these sequences' states, of these layers, from this model, in
+    this precision, every layer's file whole; else None (computed again over it)."""
     if not (Path(folder) / INDEX_FILE).exists():
         return None
     try:
         found = open_reference_states(folder)
-    except ValueError:  # written by something else, or damaged: computed again over it
+        index = json.loads((Path(folder) / INDEX_FILE).read_text())
+    except ValueError:  # written by something else, or damaged
         return None
-    same = found.digest == digest and found.layers == layers and found.dtype == str(storage).removeprefix("torch.")
-    return found if same else None
+    same = (found.digest == digest and found.layers == layers and found.dtype == str(storage).removeprefix("torch.")
+            and index.get("model") == model)
+    size = max(1, found.offsets[-1]) * found.hidden * np.dtype(found.dtype).itemsize
+    whole = all((Path(folder) / f"layer_{layer}.bin").is_file()
+                and (Path(folder) / f"layer_{layer}.bin").stat().st_size == size for layer in found.layers)
+    return found if same and whole else None
 
 
 class _DiskWriter:
     """Writes a disk cache into <folder>.partial and renames it into place when complete: a crash leaves no
     folder that looks finished."""
 
-    def __init__(self, folder: str | Path, positions: list[int], layers: list[int], hidden: int, storage: torch.dtype):
-        self.folder, self.partial = Path(folder), Path(f"{folder}.partial")
+    def __init__(self, folder: str | Path, positions: list[int], layers: list[int], hidden: int, storage: torch.dtype,
+                 model: str):
+        self.folder, self.partial, self.model = Path(folder), Path(f"{folder}.partial"), model
         shutil.rmtree(self.partial, ignore_errors=True)
         self.partial.mkdir(parents=True)
         self.offsets = np.concatenate([[0], np.cumsum(positions)]).astype(np.int64).tolist()
@@ -251,8 +273,14 @@ class _DiskWriter:
             m.flush()
         self.maps.clear()
         index = {"digest": digest, "num_pairs": num_pairs, "layers": self.layers, "hidden": self.hidden,
-                 "dtype": self.dtype, "offsets": self.offsets}
+                 "dtype": self.dtype, "offsets": self.offsets, "model": self.model}
         (self.partial / INDEX_FILE).write_text(json.dumps(index))
-        shutil.rmtree(self.folder, ignore_errors=True)
+        # The old cache is moved aside before the new one moves in, then removed: a kill in between leaves no
+        # cache (computed again) or the old one aside, never an index whose layer files are half deleted.
+        retired = Path(f"{self.folder}.retired")
+        shutil.rmtree(retired, ignore_errors=True)
+        if self.folder.exists():
+            self.folder.rename(retired)
         self.partial.rename(self.folder)
+        shutil.rmtree(retired, ignore_errors=True)
         return open_reference_states(self.folder)

@@ -90,6 +90,26 @@ def test_a_disk_cache_is_written_once_and_reused_and_pickles_small(tiny_bert, mi
         open_reference_states(folder)
     rebuilt = compute_reference_states(tiny_bert(0), encoded, [2], pad, precision="fp32", into=folder)
     assert rebuilt.digest == first.digest and torch.equal(rebuilt.row(2, 3), first.row(2, 3))
+    assert not (tmp_path / "cache.retired").exists()
+
+
+def test_a_disk_cache_of_another_model_or_with_a_file_cut_short_is_computed_again(tiny_bert, minilm_tokenizer, tmp_path):
+    """The key holds the reference's weights (a student of the same tokenizer and depth under a reused --name
+    must not read another model's states), and a layer file whose removal or writing was cut short is no cache."""
+    encoded = _encoded(minilm_tokenizer)
+    pad = minilm_tokenizer.pad_token_id
+    folder = tmp_path / "cache"
+    first = compute_reference_states(tiny_bert(0), encoded, [2], pad, precision="fp32", into=folder).row(2, 3).clone()
+    other = compute_reference_states(tiny_bert(1), encoded, [2], pad, precision="fp32", into=folder)
+    assert not torch.equal(other.row(2, 3), first)  # computed again, by the other model
+    written = (folder / "layer_2.bin").stat().st_mtime_ns
+    again = compute_reference_states(tiny_bert(1), encoded, [2], pad, precision="fp32", into=folder)
+    assert (folder / "layer_2.bin").stat().st_mtime_ns == written  # the same model: reused
+    expected = again.row(2, 3).clone()
+    with open(folder / "layer_2.bin", "r+b") as f:
+        f.truncate(100)
+    rebuilt = compute_reference_states(tiny_bert(1), encoded, [2], pad, precision="fp32", into=folder)
+    assert (folder / "layer_2.bin").stat().st_size > 100 and torch.equal(rebuilt.row(2, 3), expected)
 
 
 @pytest.mark.parametrize("text, expected", [("500MB", 500 * MB), ("2GB", 2 * 10**9), ("1.5GiB", int(1.5 * 2**30)),
