@@ -13,8 +13,9 @@ built on it.
     TRLRewardFunction(client, on_scores=lambda s: log({"rm/in_domain": mean(s.in_domain)}))  # the OOD flag
 
 Retries: a 503 (the model is loading, or the service is overloaded; its Retry-After is honoured, within
-`max_backoff`) and a connection error are tried again, up to `retries` times with exponential backoff. Any
-other status is final: a 4xx will not change on a retry, and its message names the field and the limit.
+`max_backoff`), a connection error and a timeout (httpx's TransportError: scoring is safe to repeat) are tried
+again, up to `retries` times with exponential backoff. Any other status is final: a 4xx will not change on a
+retry, and its message names the field and the limit.
 """
 
 from __future__ import annotations
