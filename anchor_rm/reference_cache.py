@@ -224,7 +224,7 @@ def model_fingerprint(model: torch.nn.Module) -> str:
     """Which weights computed a cache: the same sequences through another model (a student of the same tokenizer
     and depth, a --name reused) must not find this model's states. Its name, shape and a sample of its first
     and last parameters, hashed: cheap, and two checkpoints differ there."""
-    params = [p for p in model.parameters()]
+    params = list(model.parameters())
     digest = hashlib.sha256(f"{getattr(model.config, '_name_or_path', '')}|{sum(p.numel() for p in params)}".encode())
     for p in (params[0], params[-1]):
         digest.update(p.detach().float().flatten()[:4096].cpu().numpy().tobytes())

@@ -90,9 +90,12 @@ def record_driver(experiment_dir: Path) -> None:
 def append_record(path: Path, record: dict) -> None:
     """One JSON line appended. A line that an earlier append left cut short (a kill, a full disk) is ended first,
     so that this record stays a line of its own (earlier_drivers skips the broken one)."""
-    with open(path, "a+b") as f:
-        cut = f.tell() > 0 and (f.seek(-1, os.SEEK_END), f.read(1))[1] != b"\n"
-        f.write((("\n" if cut else "") + json.dumps(record) + "\n").encode())
+    with open(path, "a+b") as f:  # appends at the end whatever the position read from
+        ends_a_line = True
+        if f.tell() > 0:
+            f.seek(-1, os.SEEK_END)
+            ends_a_line = f.read(1) == b"\n"
+        f.write((("" if ends_a_line else "\n") + json.dumps(record) + "\n").encode())
 
 
 def earlier_drivers(experiment_dir: Path) -> set[tuple[str, int]]:
