@@ -83,7 +83,7 @@ def bounded_requests(max_retries: int, timeout_s: float, backoff_factor: float |
 # and a traceback; a server still starting has those seconds to answer.
 FIRST_CONTACT_RETRIES, FIRST_CONTACT_TIMEOUT_S, FIRST_CONTACT_BACKOFF = 3, 10, 1
 _CAUSES = ("Connection refused", "Name or service not known", "Temporary failure in name resolution",
-           "No route to host", "timed out", "Read timed out", "Failed to resolve")
+           "No route to host", "timed out", "Failed to resolve")
 
 
 def unreachable_reason(exc: Exception) -> str:
