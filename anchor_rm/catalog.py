@@ -1,4 +1,5 @@
-"""Named datasets: the copies the project ships (see shipped_data/PROVENANCE.md) and their hub originals.
+"""Named datasets: the copies the project ships (see shipped_data/PROVENANCE.md) and their hub originals, and
+the hub-only datasets of which no copy ships.
 
 `iter_dataset_pairs` is the one entry point: a catalog name, a file path, or a hub name in, pairs out, one at a
 time (`load_dataset_pairs`: the same as a list).
@@ -15,8 +16,9 @@ from pathlib import Path
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any
 
-from anchor_rm.data import (DataError, PreferencePair, ReadStats, iter_generic, iter_hh_rlhf, iter_hhh, iter_hub,
-                            iter_llmbar, iter_pandalm, iter_pku_saferlhf, iter_safetext, iter_ultrafeedback)
+from anchor_rm.data import (DataError, PreferencePair, ReadStats, iter_generic, iter_helpsteer3, iter_hh_rlhf,
+                            iter_hhh, iter_hub, iter_llmbar, iter_pandalm, iter_pku_saferlhf, iter_safetext,
+                            iter_ultrafeedback)
 
 DATA_DIR_ENV = "ANCHOR_RM_DATA_DIR"
 
@@ -26,7 +28,7 @@ class DatasetSpec:
     name: str
     category: str  # "helpful" | "harmless": which source it is an OOD target for
     reader: Callable[..., Iterator[PreferencePair]]  # data.iter_<format>
-    path: str  # relative to shipped_data_dir(); a file, or a folder the reader walks
+    path: str  # relative to shipped_data_dir(); a file, or a folder the reader walks; "" where no copy ships
     hub_name: str | None  # the original on the Hugging Face hub, None where no hub copy is known
     license: str
     source: str  # where the shipped copy came from
@@ -83,6 +85,18 @@ DATASETS: dict[str, DatasetSpec] = {spec.name: spec for spec in [
            "hh-helpful-base + hh-helpful-rejection-sampled"),
 ]}
 
+# No copy ships (the `paper` preset reads hub originals): readable only with from_hub=True.
+HUB_ONLY: dict[str, DatasetSpec] = {spec.name: spec for spec in [
+    DatasetSpec("helpsteer3", "helpful", iter_helpsteer3, "", "nvidia/HelpSteer3", "CC-BY-4.0",
+                "hub only: nvidia/HelpSteer3, preference subset (HelpSteer3, Wang et al. 2025); no copy ships",
+                hub_split="train", hub_kwargs={"name": "preference"}),
+]}
+
+
+def _spec(name: str) -> DatasetSpec | None:
+    return DATASETS.get(name) or HUB_ONLY.get(name)
+
+
 # Protocol: train on the source, evaluate ID on its held-out split and OOD on the targets.
 CATEGORIES: dict[str, dict[str, Any]] = {
     "helpful": {"source": "hh-helpful", "targets": ["ultrafeedback", "hh-helpful-online", "pandalm", "llmbar"]},
@@ -95,7 +109,7 @@ _HUB_NAME = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
 def hub_originals(name: str) -> list[str]:
     """The hub datasets a catalog name reads with from_hub=True (a union's, part by part); [] where any part has
     none known or the name is not in the catalog."""
-    spec = DATASETS.get(name)
+    spec = _spec(name)
     if spec is None:
         return []
     if spec.parts:
@@ -107,13 +121,18 @@ def hub_originals(name: str) -> list[str]:
 def data_schema(name: str, role: str, from_hub: bool) -> dict[str, Any]:
     """What a dry run says of one dataset: where its pairs come from, under which licence, read by which reader
     into (prompt, chosen, rejected)."""
-    spec = DATASETS.get(name)
+    spec = _spec(name)
     if spec is None:
         return {"dataset": name, "role": role, "from": name, "reader": "generic: prompt, chosen, rejected columns",
                 "license": "as its source"}
     parts = [DATASETS[p] for p in spec.parts] or [spec]
-    where = ", ".join(f"{p.hub_name} ({p.hub_split}{''.join(f', {k}={v}' for k, v in p.hub_kwargs.items())})"
-                      for p in parts) if from_hub else f"shipped copy under {shipped_data_dir()}"
+    if from_hub:
+        where = ", ".join(f"{p.hub_name} ({p.hub_split}{''.join(f', {k}={v}' for k, v in p.hub_kwargs.items())})"
+                          for p in parts)
+    elif spec.path or spec.parts:
+        where = f"shipped copy under {shipped_data_dir()}"
+    else:
+        where = f"no shipped copy: {spec.hub_name} is read from the hub only (from_hub=True)"
     return {"dataset": name, "role": role, "from": where,
             "reader": ", ".join(sorted({p.reader.__name__ for p in parts})), "license": "; ".join(
                 sorted({p.license for p in parts}))}
@@ -137,7 +156,7 @@ def iter_dataset_pairs(name_or_path: str | Path, *, from_hub: bool = False, prom
     (see `data.iter_generic` for formats; the columns apply), or of a hub name "org/name" (with `split`),
     one at a time: a source need not fit in memory."""
     name = str(name_or_path)
-    spec = DATASETS.get(name)
+    spec = _spec(name)
     if spec is not None and spec.parts:
         for part in spec.parts:
             for pair in iter_dataset_pairs(part, from_hub=from_hub, skip_invalid=skip_invalid, stats=stats):
@@ -147,14 +166,17 @@ def iter_dataset_pairs(name_or_path: str | Path, *, from_hub: bool = False, prom
             raise DataError(f"dataset {name!r}: no hub original is known; its shipped copy is {spec.path}")
         yield from iter_hub(spec.hub_name, name, spec.reader, spec.hub_split, load_kwargs=spec.hub_kwargs,
                             skip_invalid=skip_invalid, stats=stats, **spec.reader_kwargs)
+    elif spec is not None and not spec.path:
+        raise DataError(f"dataset {name!r}: no copy ships with the project; it is read from the hub "
+                        f"({spec.hub_name}) with from_hub=True, as the paper preset does")
     elif spec is not None:
         path = shipped_data_dir() / spec.path
         yield from spec.reader(path, name, skip_invalid=skip_invalid, stats=stats, **spec.reader_kwargs)
     else:
         path = Path(name).expanduser()
         if not (path.exists() or _HUB_NAME.match(name)):
-            raise DataError(f"dataset {name!r}: not a known name ({', '.join(DATASETS)}), not an existing file, "
-                            f"and not a hub name of the form org/name")
+            raise DataError(f"dataset {name!r}: not a known name ({', '.join([*DATASETS, *HUB_ONLY])}), not an "
+                            f"existing file, and not a hub name of the form org/name")
         yield from iter_generic(path if path.exists() else name, name, prompt_column, chosen_column,
                                 rejected_column, split, skip_invalid=skip_invalid, stats=stats)
 

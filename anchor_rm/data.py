@@ -269,6 +269,20 @@ def llmbar_pair(rec: Any, dataset: str, where: str, meta: dict) -> PreferencePai
     return PreferencePair(_text(rec, "input", where), chosen, rejected, dataset, meta)
 
 
+def helpsteer3_pair(rec: Any, dataset: str, where: str, meta: dict) -> PreferencePair:
+    context = _field(rec, "context", where)
+    if not isinstance(context, list) or not context:
+        raise DataError(f"{where}: field 'context' must be a non-empty list of chat turns, got {context!r:.80}")
+    # The context ends on the user's turn: behind a placeholder answer, every one of its turns is the prompt.
+    prompt = _prompt_from_chat([*context, {"role": "assistant"}], "context", where)
+    responses = [_text(rec, "response1", where), _text(rec, "response2", where)]
+    meta["overall_preference"] = preference = _choice(rec, "overall_preference", tuple(map(str, range(-3, 4))), where)
+    if preference == 0:  # -3..-1: response1 is better, 1..3: response2, 0: neither
+        meta["tie"] = True
+    chosen, rejected = responses if preference <= 0 else responses[::-1]
+    return PreferencePair(prompt, chosen, rejected, dataset, meta)
+
+
 def _iter_safetext(path: Path) -> Iterator[Record]:
     """SafeText's {scenario: {"safe": [...], "unsafe": [...]}}: one record per (safe, unsafe) advice of a
     scenario, in file order."""
@@ -408,6 +422,13 @@ def iter_llmbar(path: str | Path, dataset: str, *, skip_invalid: bool = False,
     return _iter_files(path, dataset, llmbar_pair, ("dataset.json",), skip_invalid=skip_invalid, stats=stats)
 
 
+def iter_helpsteer3(path: str | Path, dataset: str, *, skip_invalid: bool = False,
+                    stats: ReadStats | None = None) -> Iterator[PreferencePair]:
+    """HelpSteer3 preference rows (JSONL): the chat `context` is the prompt, `overall_preference` picks the
+    response (0 comes back as metadata["tie"])."""
+    return _iter_files(path, dataset, helpsteer3_pair, JSONL, skip_invalid=skip_invalid, stats=stats)
+
+
 def iter_hhh(path: str | Path, dataset: str, *, sources: Iterable[str] | None = None, skip_invalid: bool = False,
              stats: ReadStats | None = None) -> Iterator[PreferencePair]:
     """HHH alignment wrapped in Prometheus judge prompts; `sources` keeps e.g. only ("harmless",)."""
@@ -498,6 +519,11 @@ def read_llmbar(path: str | Path, dataset: str, **kwargs: Any) -> list[Preferenc
     return list(iter_llmbar(path, dataset, **kwargs))
 
 
+def read_helpsteer3(path: str | Path, dataset: str, **kwargs: Any) -> list[PreferencePair]:
+    """iter_helpsteer3's pairs as a list."""
+    return list(iter_helpsteer3(path, dataset, **kwargs))
+
+
 def read_hhh(path: str | Path, dataset: str, **kwargs: Any) -> list[PreferencePair]:
     """iter_hhh's pairs as a list."""
     return list(iter_hhh(path, dataset, **kwargs))
@@ -525,6 +551,7 @@ _HUB_PARSERS: dict[Callable, Parser] = {
                            (ultrafeedback_pair, (iter_ultrafeedback, read_ultrafeedback)),
                            (pku_saferlhf_pair, (iter_pku_saferlhf, read_pku_saferlhf)),
                            (pandalm_pair, (iter_pandalm, read_pandalm)), (llmbar_pair, (iter_llmbar, read_llmbar)),
-                           (hhh_pair, (iter_hhh, read_hhh)), (generic_pair, (iter_generic, read_generic)))
+                           (helpsteer3_pair, (iter_helpsteer3, read_helpsteer3)), (hhh_pair, (iter_hhh, read_hhh)),
+                           (generic_pair, (iter_generic, read_generic)))
     for reader in readers
 }
