@@ -25,6 +25,12 @@ MLFLOW_TRACKING_URI / MLFLOW_REGISTRY_URI (unset: SQLite mlflow.db in the workin
                                                                          hardware with native bf16), fp32 or bf16
     ANCHOR_RM_DEVICE                auto                                 where the model scores: auto (the first CUDA GPU
                                                                          when torch sees one, else the CPU), cpu, cuda, cuda:N
+    ANCHOR_RM_GPUS                  auto                                 GPUs the service declares to BentoML (resources gpu),
+                                                                         which gives the worker its own: CUDA_VISIBLE_DEVICES
+                                                                         names them, so cuda (cuda:0) is the worker's GPU;
+                                                                         auto: 1 where the device is auto, cuda or cuda:0 and
+                                                                         torch sees a GPU, else none; 0: none (the GPUs the
+                                                                         process sees, as CUDA_VISIBLE_DEVICES set them)
     ANCHOR_RM_OOD_FLAG              1                                    each scored pair's ood_score and in_domain, from the
                                                                          version's fitted density (anchor_rm/ood_flag.py);
                                                                          0: rewards alone (the fields are null)
@@ -99,6 +105,7 @@ class Settings:
     download_dir: str | None = None
     precision: str = "auto"
     device: str = "auto"
+    gpus: int | None = None  # None: auto (declared_gpus)
     ood_flag: bool = True
 
     def limits(self) -> ServingLimits:
@@ -142,6 +149,12 @@ def _parse(name: str, source: str, raw: object) -> object:
             return False
         raise SettingsError(f"{source}={raw!r}: expected 1 or 0 (true/false, on/off)")
     text = str(raw).strip()
+    if name == "gpus":
+        if text == "auto":
+            return None
+        if not text.isdigit():
+            raise SettingsError(f"{source}={raw!r}: expected auto or a whole number of GPUs (0: declare none)")
+        return int(text)
     if name == "precision" and text not in ("auto", "fp32", "bf16"):
         raise SettingsError(f"{source}={raw!r}: expected auto, fp32 or bf16")
     if name == "device" and not re.fullmatch(r"auto|cpu|cuda(:\d+)?", text):
@@ -149,6 +162,29 @@ def _parse(name: str, source: str, raw: object) -> object:
     if name == "model_uri" and not text:
         raise SettingsError(f"{source} is empty: name a model, e.g. {DEFAULT_MODEL_URI}")
     return text or None
+
+
+def declared_gpus(settings: Settings, gpu_visible: bool) -> int:
+    """The GPUs the service declares to BentoML (`resources={"gpu": n}`); `gpu_visible`: whether torch sees one.
+
+    `bentoml serve` then gives its worker GPUs of its own: it sets CUDA_VISIBLE_DEVICES to the first ones no
+    other service of the same `bentoml serve` holds, so cuda (cuda:0) is the worker's first GPU (unless
+    CUDA_VISIBLE_DEVICES is set already: BentoML then assigns nothing, _bentoml_impl/server/allocator.py).
+    Declared on a machine without a GPU, BentoML would still set CUDA_VISIBLE_DEVICES=0 for a GPU that is not
+    there (after a ResourceWarning, hidden by default): so by default it is declared only where the device
+    setting resolves to CUDA and a GPU is visible. A device cuda:N with N > 0 names a GPU itself: nothing is
+    declared for it, which would renumber the GPUs the worker sees."""
+    if settings.gpus is not None:
+        return settings.gpus
+    if not gpu_visible or settings.device not in ("auto", "cuda", "cuda:0"):
+        return 0
+    return 1
+
+
+def gpu_resources(settings: Settings, gpu_visible: bool) -> dict[str, int]:
+    """`resources` for `@bentoml.service`: {"gpu": n}, or {} where none is declared (BentoML accepts no 0)."""
+    gpus = declared_gpus(settings, gpu_visible)
+    return {"gpu": gpus} if gpus else {}
 
 
 def _read_file(path: str) -> dict:

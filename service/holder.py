@@ -118,6 +118,35 @@ class ServedModel:
         return {"enabled": False, "reason": reason}
 
 
+def place_for_scoring(model, precision: str = "auto", device: str = "auto") -> str:
+    """Puts a loaded fp32 model on `device` (auto: the first CUDA GPU torch sees, else the CPU) for scoring at
+    `precision` (auto | fp32 | bf16), resolved here for that device; returns the resolved precision ("fp32" or
+    "bf16"), what the scorer runs.
+
+    In bf16 the model is scored under bf16 autocast (RewardScorer), which casts every fp32 matmul weight on
+    every forward pass; the served model never trains, so they are cast once, on the CPU before the move, and
+    nothing else is (scoring.cast_matmul_weights_once): the rotary inv_freq buffer, the norms, the embeddings
+    and the reward head stay fp32, as in evaluation, so served rewards are evaluation's (fp32 weights under
+    autocast) bit for bit where the same kernels run. Casting before the move keeps the fp32 copy off the GPU:
+    an 8B model takes about 16 GB there (bf16 matmul weights, fp32 embeddings), and loads on a 24 GB card.
+    One path for the CPU and a GPU."""
+    import torch
+
+    from anchor_rm.precision import resolve_precision
+    from anchor_rm.scoring import cast_matmul_weights_once
+
+    if device == "auto":
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+    precision = resolve_precision(precision, torch.device(device).type)
+    if precision == "bf16":
+        cast_matmul_weights_once(model, torch.bfloat16)
+    try:
+        model.to(device)
+    except (RuntimeError, AssertionError) as exc:  # no such device, or a torch built without CUDA
+        raise RuntimeError(f"ANCHOR_RM_DEVICE={device}: cannot place the model there ({exc})") from None
+    return precision
+
+
 def load_served_model(uri: str, download_dir: str | Path, batch_size: int = 32, precision: str = "auto",
                       device: str = "auto", max_tokens: int | None = None, ood_flag: bool = True) -> ServedModel:
     """Resolve `uri` (anchor_rm.evaluation.resolve_model_uri: registry, run or folder), load the reward model and
@@ -125,31 +154,13 @@ def load_served_model(uri: str, download_dir: str | Path, batch_size: int = 32, 
     its report and headline figures. `precision` (auto | fp32 | bf16) is resolved here for that device, once
     per process, so that /model says what scores. `ood_flag`: score with the version's OOD flag, where it has
     one (anchor_rm/ood_flag.py)."""
-    import torch
-
     from anchor_rm.mlflow_edge import registry
     from anchor_rm.mlflow_edge.model_package import parse_registry_uri, resolve_model_uri
-    from anchor_rm.precision import resolve_precision
-    from anchor_rm.scoring import cast_matmul_weights_once
     from anchor_rm.workflow import load_saved
 
     resolved = resolve_model_uri(uri, download_dir)
     reward_model = load_saved(resolved.folder)
-    if device == "auto":
-        device = "cuda" if torch.cuda.is_available() else "cpu"
-    try:
-        reward_model.model.to(device)
-    except (RuntimeError, AssertionError) as exc:  # no such device, or a torch built without CUDA
-        raise RuntimeError(f"ANCHOR_RM_DEVICE={device}: cannot place the model there ({exc})") from None
-    precision = resolve_precision(precision, torch.device(device).type)
-    if precision == "bf16" and torch.device(device).type == "cuda":
-        # A GPU computing in bf16 holds the weights in bf16 too: half the memory of fp32 (16 GB for 8B). The
-        # reward head still computes in fp32 (scoring.fp32_reward_head). Untested here: no GPU was lent.
-        reward_model.model.to(torch.bfloat16)
-    elif precision == "bf16":
-        # A CPU scores under bf16 autocast, which casts every fp32 matmul weight on every forward pass; the
-        # served model never trains, so they are cast once (the same rewards, bit for bit; scoring.py).
-        cast_matmul_weights_once(reward_model.model, torch.bfloat16)
+    precision = place_for_scoring(reward_model.model, precision, device)
     parsed = parse_registry_uri(uri)
     tags: dict[str, str] = {}
     if resolved.registered_name and resolved.version:

@@ -38,6 +38,7 @@ from typing import Any
 
 import anyio.to_thread
 import bentoml
+import torch
 from bentoml.exceptions import ServiceUnavailable
 from starlette.responses import JSONResponse
 
@@ -50,7 +51,7 @@ from service.protocols import ClassifyRequest, RerankRequest, SampleRequest
 from service.schemas import (BestOfNRequest, BestOfNResponse, CompareRequest, CompareResponse, GetRewardRequest,
                              GetRewardResponse, ModelInfo, ModelRef, ReloadResponse, RequestError, ScoreRequest,
                              ScoreResponse)
-from service.config import load_settings
+from service.config import gpu_resources, load_settings
 
 logger = logging.getLogger("anchor_rm.service")
 SETTINGS = load_settings()
@@ -120,6 +121,9 @@ MODEL_PATHS = ("/score", "/best_of_n", "/compare", "/get_reward", "/classify", "
     http={"host": SETTINGS.host, "port": SETTINGS.port},
     traffic={"timeout": SETTINGS.timeout_seconds},
     workers=1,
+    # Where it scores on a GPU, it declares one (ANCHOR_RM_GPUS, config.declared_gpus): `bentoml serve` confines
+    # the worker to a GPU no other service of it holds, through the worker's CUDA_VISIBLE_DEVICES.
+    resources=gpu_resources(SETTINGS, torch.cuda.is_available()),
 )
 class RewardService:
     def __init__(self) -> None:
