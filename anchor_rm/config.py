@@ -47,10 +47,12 @@ class ProtocolConfig:
         self.targets = list(self.targets or CATEGORIES[self.category]["targets"])
         check_precision(self.precision)
 
-    def resolve_precision(self, requested: str | None = None) -> str:
-        """Decides the precision once ("fp32" or "bf16") and gives it to every stage, so that cache keys,
-        MLflow params, reports and Ray workers carry what actually runs. Returns it."""
-        self.precision = resolve_precision(requested or self.precision)
+    def resolve_precision(self, requested: str | None = None, device_type: str = "cpu") -> str:
+        """Decides the precision once ("fp32" or "bf16") for the device the experiment's own stages run on (the
+        driver's: workflow.training_device) and gives it to every stage, so that cache keys, MLflow params and
+        reports carry what actually runs. Returns it. (Ray Train workers on GPUs resolve the requested value for
+        their own device: tuning/trainable.py.)"""
+        self.precision = resolve_precision(requested or self.precision, device_type)
         self.teacher_train.precision = self.student_train.precision = self.precision
         return self.precision
 
@@ -116,16 +118,25 @@ def _study(category: str) -> ProtocolConfig:
     return _protocol(category)
 
 
+# The paper's helpful setting: HelpSteer3 (nvidia/HelpSteer3, preference subset) as the source, HH helpful and
+# UltraFeedback as the shifted targets.
+PAPER_HELPFUL_SOURCE = "helpsteer3"
+PAPER_HELPFUL_TARGETS = ("hh-helpful", "ultrafeedback")
+
+
 def _paper(category: str) -> ProtocolConfig:
     """The paper's kind of setting (docs/scaling.md): a Llama-3.1-8B student with LoRA adapters (rank 16 on every
     linear layer, ANCHOR's reference the student with its adapters off) and activation checkpointing, a Llama-3.2-1B
     teacher fully fine-tuned, 1,024-token pairs in bf16 where the GPU has it. It runs where a GPU and the hub exist
     (the weights come from the hub, gated by Meta's licence); here, `--dry-run` shows its config, data and memory
-    plan. The datasets are the category's that have a hub original (catalog.hub_originals), read from the hub,
-    uncapped but for the validation and test sizes."""
+    plan. The datasets are read from the hub, uncapped but for the validation and test sizes: on helpful, the
+    paper's own source, HelpSteer3's preference subset, with HH helpful and UltraFeedback as targets; on harmless,
+    the category's datasets that have a hub original (catalog.hub_originals)."""
     cfg = _protocol(category)
     cfg.student, cfg.teacher = "meta-llama/Llama-3.1-8B", "meta-llama/Llama-3.2-1B"
     cfg.from_hub = True
+    if category == "helpful":
+        cfg.source, cfg.targets = PAPER_HELPFUL_SOURCE, list(PAPER_HELPFUL_TARGETS)
     cfg.targets = [t for t in cfg.targets if hub_originals(t)]
     cfg.max_pairs = {"teacher_train": 2000, "id_val": 1000, "id_test": 2000, "ood_val": 500, "ood_test": 1000}
     cfg.teacher_train = TrainConfig(method="gold", epochs=1, batch_size=16, learning_rate=1e-5, max_length=1024,

@@ -198,7 +198,7 @@ def evaluate_and_record(sets: Sequence[EvaluationSet], model_uri: str, *, teache
 
     from anchor_rm.mlflow_edge import keys, runs, store
     from anchor_rm.report_files import write_report
-    from anchor_rm.workflow import load_saved
+    from anchor_rm.workflow import load_saved, training_device
 
     log = logging.getLogger("anchor_rm")
     try:
@@ -219,8 +219,9 @@ def evaluate_and_record(sets: Sequence[EvaluationSet], model_uri: str, *, teache
             source = training_source(model)
             if id_name is None and source in [s.name for s in sets]:
                 log.info("hint: the model was trained on %s; --id %s adds WRG and NTS", source, source)
-            student_rm = load_saved(model.folder, max_length)
-            teacher_rm = load_saved(teacher.folder, max_length) if teacher else None
+            device = training_device()  # this process's first GPU where it has one, else its CPU
+            student_rm = load_saved(model.folder, max_length, device=device)
+            teacher_rm = load_saved(teacher.folder, max_length, device=device) if teacher else None
             rows, flagged = score_sets(student_rm, sets, teacher=teacher_rm, id_name=id_name, batch_size=batch_size,
                                        precision=precision)
             # Against the ID validation responses stored with the fit: any set's AUROC, with or without --id.

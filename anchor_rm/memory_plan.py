@@ -5,7 +5,7 @@ line (the estimate, the limit, what to change) instead of dying of out-of-memory
 The estimate, per worker, in bytes:
 - weights: 4 per parameter (fp32: the loaders load fp32; bf16 autocast computes in bf16 but keeps fp32
   masters), divided by the workers under FSDP2, plus the two layers it gathers at once (one computing, one
-  prefetched);
+  prefetched); a LoRA student in bf16 holds its frozen base's Linear weights in 2 (lora.hold_frozen_base_in);
 - gradients and AdamW state: 4 + 8 per *trainable* parameter (LoRA: adapters and head), divided likewise; DDP
   keeps a bucketed copy of the gradients (4 more) when there is more than one worker;
 - ANCHOR's frozen reference: a second copy of the weights (sharded under FSDP2) for full fine-tuning; none for
@@ -14,8 +14,12 @@ The estimate, per worker, in bytes:
   scores) values, at 4 bytes (fp32) or BF16_ACTIVATION_BYTES (autocast keeps some in fp32); with activation
   checkpointing, one hidden state per layer and one layer's activations;
 - a fixed overhead (the framework, the CUDA context);
-- on CPU, where the weights load into the same memory, loading may peak above training: two copies of the
-  weights while transformers reads the checkpoint (and the reference's). The peak is the larger of the two.
+- loading, which may peak above training: on CPU, where the weights load into the same memory, two copies of the
+  weights while transformers reads the checkpoint (and the reference's); on a GPU under FSDP2 (loaded sharded:
+  sharded.load_pretrained_sharded) each worker's shard plus the largest tensor in transit, twice (the full
+  tensor broadcast and its shard). The peak is the larger of the two. `host_loading` is the host RAM a worker
+  needs while loading for a GPU: two fp32 copies per DDP worker; for FSDP2 rank 0's alone, the other workers
+  none (check_protocol_memory holds it against the machine's memory, a container's limit included).
 The constants are fitted to peaks measured on CPU (bench/memory_plan.py, docs/scaling.md).
 """
 
@@ -51,9 +55,15 @@ class ModelShape:
     heads: int
     gated_mlp: bool  # Llama's SwiGLU: two up projections
     linear_shapes: tuple[tuple[int, int, int], ...]  # (in, out, count) of the linear layers LoRA adapts
+    largest_tensor: int = 0  # the most values one parameter holds (the embeddings, usually)
 
     def lora_parameters(self, rank: int) -> int:
         return sum(rank * (i + o) * n for i, o, n in self.linear_shapes)
+
+    @property
+    def linear_parameters(self) -> int:
+        """The weights of the Linear layers LoRA adapts (the frozen base a LoRA student may hold in bf16)."""
+        return sum(i * o * n for i, o, n in self.linear_shapes)
 
 
 def model_shape(config) -> ModelShape:
@@ -79,9 +89,22 @@ def model_shape(config) -> ModelShape:
         parameters=sum(p.numel() for p in model.parameters()),
         layer_parameters=sum(p.numel() for p in layers[0].parameters()),
         layers=len(layers), hidden=config.hidden_size, mlp=mlp, heads=config.num_attention_heads,
-        gated_mlp=getattr(config, "model_type", "") in ("llama", "qwen2", "mistral", "gemma", "qwen3"),
+        gated_mlp=has_gated_mlp(model),
         linear_shapes=tuple((i, o, n) for (i, o), n in sorted(shapes.items())),
+        largest_tensor=max(p.numel() for p in model.parameters()),
     )
+
+
+# A gated MLP's gate projection: its own Linear (Llama, Qwen, Mistral, Gemma 1-3) or fused with the up projection
+# (Phi-3's Linear, Mixtral's experts' parameter). Mixtral's router, named `gate`, is not one.
+GATE_NAMES = ("gate_proj", "gate_up_proj")
+
+
+def has_gated_mlp(model) -> bool:
+    """Whether the model's MLP is gated (SwiGLU, GeGLU: a third projection), read off its modules and parameters
+    rather than a list of model types."""
+    names = [n for n, _ in model.named_modules()] + [n for n, _ in model.named_parameters()]
+    return any(name.rsplit(".", 1)[-1] in GATE_NAMES for name in names)
 
 
 @dataclass(frozen=True)
@@ -100,7 +123,8 @@ class MemoryPlan:
     reference: int
     activations: int
     overhead: int
-    loading: int  # the peak while loading the weights (CPU), beside the overhead
+    loading: int  # the peak while loading the weights on the device, beside the overhead
+    host_loading: int = 0  # host RAM a worker needs while loading for a GPU (0 on CPU: `loading` is that memory)
 
     @property
     def total(self) -> int:
@@ -110,9 +134,10 @@ class MemoryPlan:
     def summary(self) -> str:
         parts = ", ".join(f"{name} {getattr(self, name) / GIB:.2f}" for name in
                           ("weights", "gradients", "optimizer", "reference", "activations", "overhead", "loading"))
+        host = f"; host RAM while loading {self.host_loading / GIB:.2f} GiB" if self.host_loading else ""
         return (f"{self.total / GIB:.2f} GiB per worker ({parts} GiB); {self.strategy} on {self.workers} "
                 f"{self.device} worker(s), {self.sequences_per_worker} sequences x {self.max_length} tokens per worker, "
-                f"{self.trainable_parameters:,} of {self.parameters:,} parameters trained")
+                f"{self.trainable_parameters:,} of {self.parameters:,} parameters trained{host}")
 
     def to_dict(self) -> dict:
         return {**asdict(self), "total": self.total}
@@ -121,6 +146,7 @@ class MemoryPlan:
 def plan_memory(shape: ModelShape, *, batch_size: int, max_length: int, lora_rank: int = 0, anchor: bool = False,
                 cached_reference: bool = False, activation_checkpointing: bool = False, strategy: str = "ddp",
                 workers: int = 1, device: str = "cpu", precision: str = "fp32") -> MemoryPlan:
+    # A LoRA student in bf16 holds its frozen base's Linear weights in bf16 (workflow.load_student).
     """The estimated peak memory of one worker (see the module's docstring). `batch_size` is pairs per optimiser
     step over all workers, as TrainConfig has it."""
     if strategy not in STRATEGIES:
@@ -130,7 +156,8 @@ def plan_memory(shape: ModelShape, *, batch_size: int, max_length: int, lora_ran
     shard = workers if strategy == "fsdp2" else 1
     trainable = (shape.lora_parameters(lora_rank) + shape.hidden) if lora_rank else shape.parameters
     gathered = 2 * 4 * shape.layer_parameters if strategy == "fsdp2" and workers > 1 else 0
-    weights = 4 * shape.parameters // shard + gathered
+    base_bytes = 4 * shape.parameters - (2 * shape.linear_parameters if lora_rank and precision == "bf16" else 0)
+    weights = base_bytes // shard + gathered
     gradients = 4 * trainable // shard + (4 * trainable if strategy == "ddp" and workers > 1 else 0)
     optimizer = 8 * trainable // shard
     reference = 4 * shape.parameters // shard if anchor and not lora_rank and not cached_reference else 0
@@ -150,7 +177,17 @@ def plan_memory(shape: ModelShape, *, batch_size: int, max_length: int, lora_ran
                       parameters=shape.parameters, trainable_parameters=trainable,
                       weights=weights, gradients=gradients, optimizer=optimizer, reference=reference,
                       activations=int(activations), overhead=OVERHEAD_BYTES[device],
-                      loading=2 * (4 * shape.parameters + reference) if device == "cpu" else 0)
+                      loading=_loading(shape, base_bytes, reference, shard, device),
+                      host_loading=0 if device == "cpu" else 2 * 4 * shape.parameters)
+
+
+def _loading(shape: ModelShape, base_bytes: int, reference: int, shard: int, device: str) -> int:
+    """The device's peak while the weights load (module docstring)."""
+    if device == "cpu":
+        return 2 * (4 * shape.parameters + reference)
+    if shard > 1:  # loaded sharded: the shards, and one tensor broadcast whole and cut (twice its size)
+        return base_bytes // shard + reference + 2 * 4 * shape.largest_tensor
+    return base_bytes + reference  # loaded on the CPU, moved: never more than it then holds
 
 
 def check_plan(plan: MemoryPlan, limit_bytes: int | None, where: str) -> None:
@@ -170,11 +207,45 @@ def check_plan(plan: MemoryPlan, limit_bytes: int | None, where: str) -> None:
                           f"{limit_bytes / GIB:.1f} GiB on {where}; " + "; or ".join(advice or ["use a larger device"]))
 
 
-def physical_memory_bytes() -> int | None:
+def physical_memory_bytes(cgroup_root: str = "/sys/fs/cgroup") -> int | None:
+    """This machine's memory, or the container's limit where that is lower (a Kubernetes pod, KubeRay's workers:
+    the kernel kills the pod at its limit, whatever the host has)."""
     try:
-        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+        physical = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
     except (ValueError, OSError, AttributeError):
-        return None
+        physical = None
+    limit = cgroup_memory_limit(cgroup_root)
+    if limit is None or (physical is not None and physical <= limit):
+        return physical
+    return limit
+
+
+def cgroup_memory_limit(root: str = "/sys/fs/cgroup", self_cgroup: str = "/proc/self/cgroup") -> int | None:
+    """The memory limit of this process's cgroup, v2 (`memory.max`) or v1 (`memory/memory.limit_in_bytes`), at the
+    cgroup root a container sees and at this process's own cgroup path under it; the lowest one set. None where
+    no limit is set ("max", or v1's near-2^63 "unlimited") or none can be read."""
+    from pathlib import Path
+
+    paths = [""]
+    try:
+        for line in Path(self_cgroup).read_text().splitlines():
+            hierarchy, controllers, path = (line.split(":", 2) + ["", ""])[:3]
+            if path.strip("/") and (hierarchy == "0" or "memory" in controllers.split(",")):
+                paths.append(path.strip("/"))
+    except OSError:
+        pass
+    limits = []
+    for sub in paths:
+        for name in ("memory.max", "memory/memory.limit_in_bytes"):
+            folder, _, file = name.rpartition("/")
+            candidate = Path(root, folder, sub, file) if folder else Path(root, sub, file)
+            try:
+                text = candidate.read_text().strip()
+            except OSError:
+                continue
+            if text.isdigit() and int(text) < 2**60:
+                limits.append(int(text))
+    return min(limits) if limits else None
 
 
 def worker_memory_limit(device: str, workers_per_machine: int) -> tuple[int | None, str]:
@@ -194,8 +265,21 @@ def worker_memory_limit(device: str, workers_per_machine: int) -> tuple[int | No
                                                   f"{workers_per_machine} worker(s)")
 
 
+def planned_precision(cfg, device: str, requested: str = "auto") -> str:
+    """The precision a plan for `device` assumes: the experiment's (resolved for the driver's device) on a CPU or
+    the GPU this machine has; for GPUs this machine lacks (a cluster planned from elsewhere), bf16 where `auto` is
+    asked (every GPU of the paper's setting, A100 and later, computes it natively)."""
+    if device != "cuda" or requested != "auto":
+        return cfg.precision if device != "cuda" else ("bf16" if requested == "bf16" else "fp32")
+    if _has_cuda():
+        from anchor_rm.precision import resolve_precision
+
+        return resolve_precision("auto", "cuda")
+    return "bf16"
+
+
 def protocol_plans(cfg, *, strategy: str = "ddp", workers: int = 1, device: str = "cpu",
-                   anchor_layer_choices: tuple | None = None) -> dict[str, MemoryPlan]:
+                   anchor_layer_choices: tuple | None = None, precision: str | None = None) -> dict[str, MemoryPlan]:
     """The teacher's and the student's (and so the ceiling's) plans for a ProtocolConfig. Settings the model's
     config refuses (a max length over its positions, frozen layers over anchored ones: the student's own anchor
     layers, or every choice of a search, `anchor_layer_choices`) are ValueErrors here, before anything trains."""
@@ -216,20 +300,37 @@ def protocol_plans(cfg, *, strategy: str = "ddp", workers: int = 1, device: str 
                                   activation_checkpointing=train.activation_checkpointing,
                                   strategy=strategy if role == "student" else "ddp",
                                   workers=workers if role == "student" else 1, device=device,
-                                  precision=cfg.precision)
+                                  precision=precision or cfg.precision)
     return plans
+
+
+def _has_cuda() -> bool:
+    import torch
+
+    return torch.cuda.is_available()
 
 
 def check_protocol_memory(cfg, *, strategy: str = "ddp", workers: int = 1, device: str = "cpu",
                           workers_per_machine: int = 1, worker_memory: int | None = None, log=None,
-                          anchor_layer_choices: tuple | None = None) -> dict[str, MemoryPlan]:
+                          anchor_layer_choices: tuple | None = None, precision: str | None = None) -> dict[str, MemoryPlan]:
     """Plans the teacher and the students, logs each plan, and refuses (MemoryPlanError) the first that will not
     fit in what one worker has: `worker_memory` bytes where given, else worker_memory_limit's."""
-    plans = protocol_plans(cfg, strategy=strategy, workers=workers, device=device, anchor_layer_choices=anchor_layer_choices)
+    plans = protocol_plans(cfg, strategy=strategy, workers=workers, device=device, anchor_layer_choices=anchor_layer_choices,
+                           precision=precision)
     limit, where = ((worker_memory, "each worker (as given)") if worker_memory
                     else worker_memory_limit(device, workers_per_machine))
+    # Host RAM is this machine's: checked where the plan is for this machine's own GPUs, not for a cluster planned
+    # from a laptop (--dry-run of the paper preset).
+    host = physical_memory_bytes() if device == "cpu" or _has_cuda() else None
     for role, plan in plans.items():
         if log is not None:
             log.info("memory plan of the %s: %s", role, plan.summary())
         check_plan(plan, limit, f"{where}, for the {role}")
+        # Loading for GPUs passes through host RAM: every DDP worker of the machine at once, rank 0 alone under FSDP2.
+        loaders = 1 if plan.strategy == "fsdp2" or role == "teacher" else workers_per_machine
+        if plan.host_loading and host is not None and plan.host_loading * loaders > host:
+            raise MemoryPlanError(f"will not fit: loading the {role} for the GPUs takes about "
+                                  f"{plan.host_loading * loaders / GIB:.1f} GiB of host RAM ({loaders} worker(s) reading "
+                                  f"fp32 weights) against this machine's {host / GIB:.1f} GiB (its container's limit where "
+                                  f"lower); shard it (--strategy fsdp2: rank 0 reads it alone) or use a larger machine")
     return plans

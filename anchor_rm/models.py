@@ -163,17 +163,10 @@ def load_model_config(name: str):
     return config
 
 
-def load_reward_model(source: ModelSource, *, dropout: float | None = 0.0) -> PreTrainedModel:
-    """A scalar reward model (num_labels=1) on the pretrained weights of `source`.
-
-    dropout=0.0 turns dropout off: the anchor term is then exactly zero at step 0 (student and frozen
-    reference compute the same hidden states) and reward training is deterministic on CPU. A model with SDPA
-    attention computes it in fp32 on a CPU under bf16 autocast (precision.use_cpu_fp32_attention).
-    """
-    import torch
-    from transformers import AutoConfig, AutoModelForSequenceClassification
-
-    from anchor_rm.precision import use_cpu_fp32_attention
+def reward_model_config(source: ModelSource, *, dropout: float | None = 0.0):
+    """The transformers config of `source` as a scalar reward model: one label, the first k layers where the source
+    keeps k, dropout set (None: as saved), pad_token_id set (from the tokenizer where the config has none)."""
+    from transformers import AutoConfig
 
     path = _dequantized_folder(source) if source.gguf_file else source.path
     try:
@@ -188,6 +181,23 @@ def load_reward_model(source: ModelSource, *, dropout: float | None = 0.0) -> Pr
                 setattr(config, field_name, dropout)
     if config.pad_token_id is None:
         config.pad_token_id = load_tokenizer(source).pad_token_id
+    return config
+
+
+def load_reward_model(source: ModelSource, *, dropout: float | None = 0.0) -> PreTrainedModel:
+    """A scalar reward model (num_labels=1) on the pretrained weights of `source`, in fp32 on the CPU.
+
+    dropout=0.0 turns dropout off: the anchor term is then exactly zero at step 0 (student and frozen
+    reference compute the same hidden states) and reward training is deterministic on CPU. A model with SDPA
+    attention computes it in fp32 on a CPU under bf16 autocast (precision.use_cpu_fp32_attention).
+    """
+    import torch
+    from transformers import AutoModelForSequenceClassification
+
+    from anchor_rm.precision import use_cpu_fp32_attention
+
+    config = reward_model_config(source, dropout=dropout)
+    path = _dequantized_folder(source) if source.gguf_file else source.path
     try:
         model = AutoModelForSequenceClassification.from_pretrained(path, config=config, dtype=torch.float32)
     except RuntimeError as exc:  # transformers: "You set `ignore_mismatched_sizes` to False ...": a head of other shape
@@ -196,6 +206,22 @@ def load_reward_model(source: ModelSource, *, dropout: float | None = 0.0) -> Pr
         raise ModelError(f"{source.name!r} ({path}) has a classification head with more than one output; a reward model "
                          f"has one: start from its base model, or one trained as a reward model") from None
     model.config.pad_token_id = config.pad_token_id
+    use_cpu_fp32_attention(model)
+    return model
+
+
+def reward_model_on_meta(source: ModelSource) -> PreTrainedModel:
+    """The same model as `load_reward_model`, built on the meta device: its structure without memory or weights
+    (what every FSDP2 worker shards before any weight exists, sharded.load_pretrained_sharded). Buffers computed
+    at construction (a decoder's rotary `inv_freq`) are meta too: the loader fills them in."""
+    import torch
+    from transformers import AutoModelForSequenceClassification
+
+    from anchor_rm.precision import use_cpu_fp32_attention
+
+    config = reward_model_config(source)
+    with torch.device("meta"):
+        model = AutoModelForSequenceClassification.from_config(config, dtype=torch.float32)
     use_cpu_fp32_attention(model)
     return model
 

@@ -4,9 +4,11 @@ bf16 autocast is about 3-4x faster than fp32 where the hardware computes bf16 na
 bf16, a CPU with AVX512-BF16 or AMX) and about 70x *slower* in a matmul where it does not (an AVX2-only CPU
 emulates it; a MiniLM-L6 training step there takes about 10x its fp32 time). So "auto" means: bf16 only
 where it is both native and measured faster, fp32 everywhere else. Training, the reference cache, soft
-labels, evaluation and the service all take their precision from `resolve_precision`, and the pipelines
-resolve it once in the driver and pass the concrete value ("fp32" or "bf16") on, so that cache keys, MLflow
-params, reports and Ray workers all carry what actually ran.
+labels, evaluation and the service all take their precision from `resolve_precision` for the device they run
+on: the pipelines resolve it once for the device of their own stages (the driver's GPU where it has one, else its
+CPU) and pass the concrete value ("fp32" or "bf16") on, so that cache keys, MLflow params and reports carry what
+actually ran; Ray Train workers on GPUs resolve the requested value for their own device (a GPU node's host CPU
+says nothing about its GPUs).
 """
 
 from __future__ import annotations
@@ -83,7 +85,7 @@ def bf16_matmul_slowdown(size: int = 256, repeats: int = 10) -> float:
 
 def describe_hardware(device_type: str = "cpu") -> str:
     if device_type == "cuda":
-        return torch.cuda.get_device_name(0)
+        return torch.cuda.get_device_name(0) if torch.cuda.is_available() else "no CUDA GPU visible to torch"
     flags = cpu_bf16_flags()
     native = "native bf16 (" + ", ".join(flags) + ")" if flags else ("no native bf16" if flags is not None else "bf16 support unknown")
     # Dispatch limited by the environment (how a CPU without native bf16 is imitated on one with it).
@@ -112,6 +114,8 @@ def resolve_precision(requested: str = "auto", device_type: str = "cpu") -> str:
     """
     check_precision(requested)
     if requested == "fp32":
+        if device_type == "cuda":
+            allow_tf32()
         return "fp32"
     if requested == "bf16":
         if device_type == "cpu" and not native_bf16("cpu"):
@@ -123,7 +127,24 @@ def resolve_precision(requested: str = "auto", device_type: str = "cpu") -> str:
         return "bf16"
     chosen = "bf16" if native_bf16(device_type) else "fp32"
     log.info("precision auto -> %s on %s", chosen, describe_hardware(device_type))
+    if chosen == "fp32" and device_type == "cuda":
+        allow_tf32()
     return chosen
+
+
+def allow_tf32() -> None:
+    """fp32 on a CUDA GPU computes its matmuls in TF32 (a GPU without bf16, or --precision fp32 there): the
+    tensor cores, about 8x the fp32 rate of an A100, with fp32's range and a 10-bit mantissa."""
+    # The legacy switches: they touch CUDA alone (torch.set_float32_matmul_precision would reach oneDNN's CPU matmuls
+    # too), and mixing them with torch's newer per-backend API makes get_float32_matmul_precision raise.
+    torch.backends.cuda.matmul.allow_tf32 = True
+    torch.backends.cudnn.allow_tf32 = True
+
+
+def driver_device_type() -> str:
+    """Where a pipeline's own stages run (the teacher, the ceiling, train.py's and the study's students, the
+    reference cache, the final evaluation): its first GPU when torch sees one, else its CPU."""
+    return "cuda" if torch.cuda.is_available() else "cpu"
 
 
 def uses_bf16(precision: str, device_type: str = "cpu") -> bool:

@@ -67,8 +67,46 @@ def length_sorted_batches(lengths: Sequence[int], batch_size: int, max_tokens: i
 
 
 def reward_forward(model, batch: dict[str, torch.Tensor], output_hidden_states: bool = False):
+    """The one forward pass of a reward model over a collated batch (training, its reference, scoring)."""
     inputs = {k: v for k, v in batch.items() if k != "anchor_mask"}
-    return model(**inputs, output_hidden_states=output_hidden_states)
+    with read_at_last_token(model, batch["input_ids"], batch["attention_mask"]):
+        return model(**inputs, output_hidden_states=output_hidden_states)
+
+
+@contextmanager
+def read_at_last_token(model, input_ids: torch.Tensor, attention_mask: torch.Tensor):
+    """A decoder's reward read at each sequence's last token, the position its anchor mask marks (encoding.py).
+    transformers' sequence classifiers read at the rightmost token that is not the pad id, and where the pad token
+    is the end-of-sequence token (the stand-in Instruct checkpoints get, encoding's pad) a sequence that ends in it
+    (Llama-3-Instruct's <|eot_id|>; any response cut to end on <|im_end|>) would be read one token early. The head
+    scores every position before transformers picks one: a hook puts the last token's score where it looks."""
+    core = getattr(model, "module", model)  # DistributedDataParallel's wrapped model
+    head = reward_head(core)
+    pad = getattr(core.config, "pad_token_id", None)
+    if head is None or pad is None or not _is_decoder(core):
+        yield
+        return
+    rows = torch.arange(input_ids.shape[0], device=input_ids.device)
+    positions = torch.arange(input_ids.shape[1], device=input_ids.device)
+    last = attention_mask.sum(dim=-1) - 1  # collate pads on the right
+    theirs = (positions * (input_ids != pad)).argmax(dim=-1)
+
+    def move(_module, _args, output):
+        moved = output.clone()
+        moved[rows.to(output.device), theirs.to(output.device)] = output[rows.to(output.device), last.to(output.device)]
+        return moved
+
+    handle = head.register_forward_hook(move)
+    try:
+        yield
+    finally:
+        handle.remove()
+
+
+def _is_decoder(model) -> bool:
+    from anchor_rm.models import is_decoder
+
+    return is_decoder(model)
 
 
 @contextmanager
@@ -127,7 +165,10 @@ def cast_matmul_weights_once(model, dtype: torch.dtype = torch.bfloat16) -> int:
     head's excepted. Under autocast to `dtype` a Linear casts its fp32 weight on every forward pass; cast once,
     the same values reach the same kernels (rewards bit for bit the same, tests/test_encoding.py) without the
     casts: 1.14x and 1.15x the pairs/s of a plain loop under autocast for MiniLM-L6 on a native-bf16 CPU
-    (docs/benchmarks.md, *Service (M1, 2026-12-06)*, runs 5 and 6), and half the memory of those weights. Do not use it on a model that trains. Returns how many Linears it cast."""
+    (docs/benchmarks.md, *Service (M1, 2026-12-06)*, runs 5 and 6), and half the memory of those weights.
+    Nothing else is cast: buffers (a rotary embedding's inv_freq), norms, embeddings and the head stay as
+    evaluation holds them. The service casts on the CPU, before moving the model to its device
+    (service/holder.py, place_for_scoring). Do not use it on a model that trains. Returns how many Linears it cast."""
     head = reward_head(model)
     cast = 0
     for module in model.modules():

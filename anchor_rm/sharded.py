@@ -1,4 +1,10 @@
-"""Checkpoints of a sharded (FSDP2) run, in torch.distributed.checkpoint's format: every worker writes its own
+"""Sharding a student with FSDP2, loading it sharded, and its checkpoints.
+
+Loading (`load_pretrained_sharded`), as torchtune does it: every worker builds the model on the meta device (no
+memory), shards it, and rank 0 alone reads the pretrained weights (one copy in host RAM, not one per worker) and
+broadcasts them a tensor at a time, each worker keeping its shard: a worker's GPU never holds the whole model.
+
+Checkpoints, in torch.distributed.checkpoint's format: every worker writes its own
 shard of the trained weights and of AdamW's state (rank 0 also writes the index, `.metadata`), and any number of
 workers reads them back, each taking its part of the new layout: a run resumed on more or fewer workers
 continues, and one process without a process group reads the whole weights (the export to an ordinary Hugging
@@ -17,6 +23,77 @@ from pathlib import Path
 import torch
 
 SHARDED_FOLDER = "sharded"  # the DCP files inside a checkpoint folder
+
+
+def shard_model(model: torch.nn.Module, precision: str, device_type: str) -> None:
+    """FSDP2 in place: `fully_shard` on each transformer layer, then on the root, over the process group's
+    workers (gloo on CPU, nccl on GPU), at any number of workers (one included: the same code path as eight).
+    `model` may live on the meta device (load_pretrained_sharded). On a GPU in bf16, parameters are gathered in
+    bf16 and gradients reduced in fp32; the sharded fp32 parameters stay the master copy. gloo's reduce-scatter
+    may sum where it should average (pytorch#162338): the sum is forced and divided by the number of workers, on
+    every backend alike."""
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+    from anchor_rm.models import transformer_parts
+
+    world = dist.get_world_size()
+    mesh = init_device_mesh(device_type, (world,))  # explicit: on a machine with CUDA, CPU workers stay on CPU
+    policy = (MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+              if device_type == "cuda" and precision == "bf16" else MixedPrecisionPolicy())
+    _, layers, _ = transformer_parts(model, "strategy fsdp2")
+    for layer in layers:
+        fully_shard(layer, mesh=mesh, mp_policy=policy)
+    fully_shard(model, mesh=mesh, mp_policy=policy)
+    for module in model.modules():
+        if hasattr(module, "set_force_sum_reduction_for_comms"):
+            module.set_force_sum_reduction_for_comms(True)
+            module.set_gradient_divide_factor(float(world))
+
+
+def load_pretrained_sharded(name: str, device: torch.device | str, *, precision: str, seed: int = 0,
+                            lora_rank: int = 0, lora_alpha: float = 16.0, bf16_base: bool = False) -> torch.nn.Module:
+    """The pretrained reward model of `name`, sharded over the process group's workers on `device`, equal to what
+    `load_reward_model` (with `seed`'s head, and adapters when `lora_rank`) gives in one process. Every worker
+    calls it. The order is what keeps memory down: meta model -> adapters -> shard -> rank 0 reads the weights
+    into host RAM and broadcasts them one tensor at a time (set_model_state_dict, broadcast_from_rank0) -> the
+    buffers computed at construction (a decoder's rotary inv_freq, in no state dict) broadcast from rank 0 too.
+    Peak on each GPU: its shard plus the tensor in transit (memory_plan counts it as `loading`)."""
+    import torch.distributed as dist
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
+
+    from anchor_rm.lora import add_adapters, hold_frozen_base_in
+    from anchor_rm.models import load_reward_model, resolve_model, reward_model_on_meta
+
+    device = torch.device(device)
+    source = resolve_model(name)
+
+    def prepared(model):
+        model = add_adapters(model, lora_rank, lora_alpha) if lora_rank else model
+        if bf16_base:
+            hold_frozen_base_in(model, torch.bfloat16)
+        return model
+
+    model = prepared(reward_model_on_meta(source))
+    shard_model(model, precision, device.type)
+    full, computed = {}, None
+    if dist.get_rank() == 0:
+        torch.manual_seed(seed)  # the head (and adapters) initialised as load_pretrained initialises them
+        whole = prepared(load_reward_model(source))
+        full = whole.state_dict()
+        computed = {name: buffer for name, buffer in whole.named_buffers() if name not in full}
+        del whole
+    set_model_state_dict(model, full, options=StateDictOptions(full_state_dict=True, broadcast_from_rank0=True))
+    box = [computed]
+    dist.broadcast_object_list(box, src=0, device=device if device.type == "cuda" else None)
+    for buffer_name, value in box[0].items():
+        owner_name, _, attribute = buffer_name.rpartition(".")
+        model.get_submodule(owner_name)._buffers[attribute] = value.to(device)
+    still_meta = [n for n, t in [*model.named_parameters(), *model.named_buffers()] if t.is_meta]
+    if still_meta:
+        raise RuntimeError(f"{name}: {len(still_meta)} tensors were not loaded onto {device}: {still_meta[:5]}")
+    return model
 _BUFFERS = ("rotary_emb.inv_freq",)  # non-persistent buffers some state dicts list: not weights
 
 

@@ -24,14 +24,15 @@ from anchor_rm.drift import evaluate_with_drift, evaluation_reference
 from anchor_rm.experiment import STAGE_VERSION, SharedStages, build_splits, prepare_shared, split_digests
 from anchor_rm.losses import resolve_anchor_layers
 from anchor_rm.metrics import transfer_metrics
-from anchor_rm.precision import cpu_model, resolve_precision
+from anchor_rm.precision import cpu_model, driver_device_type, resolve_precision
 from anchor_rm.mlflow_edge import keys, runs
 from anchor_rm.mlflow_edge.keys import cache_key, metric_name
 from anchor_rm.mlflow_edge.runs import ActiveRunSink, stage_run
 from anchor_rm.reference_cache import ReferenceStates
 from anchor_rm.student import train_student
 from anchor_rm.training import TEACHER_LABELS, TrainConfig
-from anchor_rm.workflow import evaluation_sets, frozen_reference, load_student, reference_states, scores_to_dict
+from anchor_rm.workflow import (evaluation_sets, frozen_reference, load_student, reference_states, scores_to_dict,
+                                training_device)
 
 log = logging.getLogger("anchor_rm")
 
@@ -87,7 +88,7 @@ class StudyConfig:
         self.budgets = [(float(lr), int(epochs)) for lr, epochs in self.budgets]
         if len(set(self.budgets)) != len(self.budgets) or any(lr <= 0 or epochs < 1 for lr, epochs in self.budgets):
             raise ValueError(f"budgets must be distinct (learning rate > 0, epochs >= 1), got {self.budgets}")
-        self.precision = resolve_precision(self.precision)  # study.json records what ran, not "auto"
+        self.precision = resolve_precision(self.precision, driver_device_type())  # study.json records what ran
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -103,7 +104,7 @@ def protocol_for(study: StudyConfig, category: str, seed: int) -> ProtocolConfig
     cfg.seed = seed
     cfg.teacher_train.seed = seed
     cfg.student_train.seed = seed
-    cfg.resolve_precision(study.precision)
+    cfg.resolve_precision(study.precision, driver_device_type())
     return cfg
 
 
@@ -163,7 +164,7 @@ class _References:
 
     def evaluation(self, rm, layers: list[int]) -> dict[str, ReferenceStates]:
         if not self._eval:
-            reference = frozen_reference(self.cfg.student)
+            reference = frozen_reference(self.cfg.student, training_device())
             for name, _, pairs in evaluation_sets(self.shared.splits, "test"):
                 self._eval[name] = evaluation_reference(reference, rm, pairs, layers, batch_size=self.cfg.eval_batch_size,
                                                         precision=self.cfg.precision)

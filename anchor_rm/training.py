@@ -6,7 +6,8 @@ Each step takes a batch of pairs, scores chosen and rejected responses in one fo
 
 against the teacher's soft labels q (methods naive / confidence / anchor) or gold labels q = 1 (method
 "gold", the strong ceiling; also how the weak teacher itself is trained). Under torch.distributed the model
-is wrapped in DistributedDataParallel and each rank takes its share of every epoch's batches.
+is wrapped in DistributedDataParallel (or, with strategy fsdp2, sharded: anchor_rm/sharded.py) and each rank takes
+its share of every epoch's batches.
 """
 
 from __future__ import annotations
@@ -35,7 +36,7 @@ from anchor_rm.models import freeze_lower_layers
 from anchor_rm.precision import autocast, check_precision
 from anchor_rm.reference_cache import ReferenceStates, encoded_digest
 from anchor_rm.scoring import EncodedPairs, capture_hidden_states, fp32_reward_head, reward_forward
-from anchor_rm.sharded import load_sharded
+from anchor_rm.sharded import is_sharded, load_sharded, shard_model
 
 METHODS = ("naive", "confidence", "anchor", "gold")
 
@@ -235,18 +236,26 @@ def train_reward_model(
     if config.activation_checkpointing:
         # Non-reentrant: the reentrant kind gives no gradients when the inputs need none (a frozen base, trl#3089).
         core.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
-    sharded = world > 1 and config.strategy == "fsdp2"
-    if sharded:
-        shard_model(core, config.precision, world)
-        if isinstance(reference, torch.nn.Module):  # the frozen copy is sharded too (its forward gathers it)
-            shard_model(reference.requires_grad_(False), config.precision, world)
-    elif world > 1:
-        device = next(core.parameters()).device
-        model = torch.nn.parallel.DistributedDataParallel(model, device_ids=[device.index] if device.type == "cuda" else None)
     check_layer_settings(config.frozen_layers, [config.anchor_layers] if config.uses_anchor else [],
                          core.config.num_hidden_layers)
     layers = resolve_anchor_layers(config.anchor_layers, core.config.num_hidden_layers) if config.uses_anchor else []
+    # Frozen before DDP wraps the model: DDP buckets the parameters that require grad when it is built, and a
+    # bucket of parameters frozen afterwards never reduces ("Expected to have finished reduction" at step 2).
     freeze_lower_layers(core, config.frozen_layers)
+    device = next(core.parameters()).device
+    # FSDP2 under any process group, one worker included: a one-GPU run shards as an eight-GPU run does. A model
+    # loaded sharded (sharded.load_pretrained_sharded, as the trials load it) is sharded already.
+    sharded = config.strategy == "fsdp2" and dist.is_available() and dist.is_initialized()
+    if config.strategy == "fsdp2" and not sharded and not is_sharded(core):
+        raise ValueError("strategy fsdp2 needs a process group (Ray Train's workers, or torchrun); without one, "
+                         "train with strategy ddp")
+    if sharded:
+        if not is_sharded(core):
+            shard_model(core, config.precision, device.type)
+        if isinstance(reference, torch.nn.Module) and not is_sharded(reference):  # the frozen copy too
+            shard_model(reference.requires_grad_(False), config.precision, device.type)
+    elif world > 1:
+        model = torch.nn.parallel.DistributedDataParallel(model, device_ids=[device.index] if device.type == "cuda" else None)
     if isinstance(reference, ReferenceStates):
         if reference.digest != encoded_digest(train):
             raise ValueError("the reference cache was computed on other token sequences than these training pairs")
@@ -320,30 +329,6 @@ def _resumable_state(optimizer, scheduler, sharded: bool) -> dict:
     if sharded:
         return {"sharded_optimizer": optimizer, "scheduler": scheduler.state_dict()}
     return {"optimizer": optimizer.state_dict(), "scheduler": scheduler.state_dict()}
-
-
-def shard_model(model: torch.nn.Module, precision: str, world: int) -> None:
-    """FSDP2 in place: `fully_shard` on each transformer layer, then on the root, over the process group's
-    workers (gloo on CPU, nccl on GPU). On a GPU in bf16, parameters are gathered in bf16 and gradients reduced
-    in fp32; the sharded fp32 parameters stay the master copy. gloo's reduce-scatter may sum where it should
-    average (pytorch#162338): the sum is forced and divided by the number of workers, on every backend alike."""
-    from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
-
-    from anchor_rm.models import transformer_parts
-
-    device = next(model.parameters()).device
-    mesh = init_device_mesh(device.type, (world,))  # explicit: on a machine with CUDA, CPU workers stay on CPU
-    policy = (MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
-              if device.type == "cuda" and precision == "bf16" else MixedPrecisionPolicy())
-    _, layers, _ = transformer_parts(model, "strategy fsdp2")
-    for layer in layers:
-        fully_shard(layer, mesh=mesh, mp_policy=policy)
-    fully_shard(model, mesh=mesh, mp_policy=policy)
-    for module in model.modules():
-        if hasattr(module, "set_force_sum_reduction_for_comms"):
-            module.set_force_sum_reduction_for_comms(True)
-            module.set_gradient_divide_factor(float(world))
 
 
 def _device_type(model: torch.nn.Module) -> str:

@@ -47,14 +47,15 @@ def main(argv=None) -> int:
     from anchor_rm.memory_plan import model_shape, plan_memory
     from anchor_rm.precision import resolve_precision
     from anchor_rm.training import TrainConfig, train_reward_model
-    from anchor_rm.workflow import frozen_reference, load_student
+    from anchor_rm.sharded import load_pretrained_sharded
+    from anchor_rm.workflow import load_student
 
     dist.init_process_group("nccl" if args.device == "cuda" else "gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
     device = f"cuda:{int(os.environ.get('LOCAL_RANK', 0))}" if args.device == "cuda" else "cpu"
     if args.device == "cuda":
         torch.cuda.set_device(device)
-    precision = resolve_precision(args.precision)
+    precision = resolve_precision(args.precision, args.device)  # for the device the workers train on
     text = "an answer that goes on for a while " * 60
     pairs = [PreferencePair(f"question {i} " * 10, f"good {i} " + text, f"bad {i} " + text, "bench")
              for i in range(args.pairs)]
@@ -68,9 +69,10 @@ def main(argv=None) -> int:
                              batch_size=args.batch_size, learning_rate=1e-5, max_length=args.max_length,
                              precision=precision, lora_rank=args.lora_rank, strategy="fsdp2",
                              activation_checkpointing=args.activation_checkpointing)
-        rm = load_student(args.student, config, device=device)
+        rm = load_student(args.student, config, device=device)  # loaded sharded: meta, shard, rank 0's weights
         encoded = rm.encode(pairs)
-        reference = frozen_reference(args.student).to(device) if method == "anchor" and not args.lora_rank else None
+        reference = (load_pretrained_sharded(args.student, device, precision=precision).eval()
+                     if method == "anchor" and not args.lora_rank else None)
         if args.device == "cuda":
             torch.cuda.reset_peak_memory_stats(device)
         dist.barrier()

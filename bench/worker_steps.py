@@ -160,11 +160,11 @@ def run_one(place: str, attention: str, steps: int) -> dict:
     from ray.train.torch import TorchTrainer
 
     from tuning.search import init_ray
-    from tuning.trainable import node_cpus, worker_resources
+    from tuning.trainable import node_resources, worker_resources
 
     init_ray(None)
     try:
-        cpus, threads = worker_resources(node_cpus(), 1, 1)
+        cpus, threads = worker_resources(node_resources()[0], 1, 1)
         with tempfile.TemporaryDirectory() as tmp:
             out = Path(tmp) / "steps.json"
             TorchTrainer(

@@ -92,10 +92,11 @@ def memory_plan_or_dry_run(cfg, args, *, device: str = "cpu", workers: int = 1, 
     import json
 
     from anchor_rm.catalog import data_schema
-    from anchor_rm.memory_plan import check_protocol_memory, protocol_plans
+    from anchor_rm.memory_plan import check_protocol_memory, planned_precision, protocol_plans
 
     strategy = cfg.student_train.strategy
-    planned = {"strategy": strategy, "workers": workers, "device": device, "anchor_layer_choices": anchor_layer_choices}
+    planned = {"strategy": strategy, "workers": workers, "device": device, "anchor_layer_choices": anchor_layer_choices,
+               "precision": planned_precision(cfg, device, args.precision)}
     limits = {**planned, "workers_per_machine": workers_per_machine, "worker_memory": worker_memory}
     if not args.dry_run:
         check_protocol_memory(cfg, **limits, log=logging.getLogger("anchor_rm"))
@@ -141,10 +142,10 @@ def byte_size(text: str) -> int:
     return int(float(match.group(1)) * UNITS[unit])
 
 
-def apply_shared_flags(cfg, args, student_train: dict):
+def apply_shared_flags(cfg, args, student_train: dict, device_type: str = "cpu"):
     """The flags train.py and tune.py share (--student, --teacher, --seed, --min-gap, --precision) and the
     student-training fields given in `student_train` (None: keep the preset's) applied to a ProtocolConfig,
-    checked, with the precision resolved once."""
+    checked, with the precision resolved once for `device_type`, where the driver's own stages run."""
     if args.student:
         cfg.student = args.student
     if args.teacher:
@@ -157,7 +158,7 @@ def apply_shared_flags(cfg, args, student_train: dict):
         if value is not None:
             setattr(cfg.student_train, name, value)
     cfg.student_train.__post_init__()
-    cfg.resolve_precision(args.precision)
+    cfg.resolve_precision(args.precision, device_type)
     return cfg
 
 

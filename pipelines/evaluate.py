@@ -100,11 +100,11 @@ def _uses_mlflow(args) -> bool:
 def evaluate(args) -> int:
     from anchor_rm import evaluation as ev
     from anchor_rm.mlflow_edge import store
-    from anchor_rm.precision import resolve_precision
+    from anchor_rm.precision import driver_device_type, resolve_precision
     from anchor_rm.report_files import report_to_markdown
 
     _check_args(args)
-    precision = resolve_precision(args.precision)
+    precision = resolve_precision(args.precision, driver_device_type())  # for the device it scores on
     sets = [ev.load_evaluation_set(name, prompt_column=args.prompt_column, chosen_column=args.chosen_column,
                                    rejected_column=args.rejected_column, hub_split=args.hub_split,
                                    skip_invalid=args.skip_invalid, max_pairs=args.max_pairs, seed=args.seed)

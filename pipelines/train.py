@@ -72,7 +72,10 @@ def config_from_args(args):
     cfg.train_ceiling = not args.no_ceiling
     student_flags = ("method", "anchor_lambda", "anchor_layers", "confidence_alpha", "epochs", "batch_size",
                      "learning_rate", "max_length", "frozen_layers", "teacher_labels", *SCALE_FIELDS)
-    return apply_shared_flags(cfg, args, {name: getattr(args, name) for name in student_flags})
+    from anchor_rm.precision import driver_device_type
+
+    # train.py trains in this process: on its first GPU where it has one, else its CPU; the precision is for that
+    return apply_shared_flags(cfg, args, {name: getattr(args, name) for name in student_flags}, driver_device_type())
 
 
 def main(argv=None) -> int:

@@ -87,7 +87,10 @@ def tune_config(args):
 
     student_train = {"epochs": args.epochs, "frozen_layers": args.frozen_layers, "teacher_labels": args.teacher_labels,
                      "strategy": args.strategy, **{name: getattr(args, name) for name in SCALE_FIELDS}}
-    return apply_shared_flags(tune_preset(args.preset, category_of(args)), args, student_train)
+    from anchor_rm.precision import driver_device_type
+
+    # The precision of the driver's own stages, for its device; trials on GPUs resolve --precision for theirs
+    return apply_shared_flags(tune_preset(args.preset, category_of(args)), args, student_train, driver_device_type())
 
 
 def plan_device(use_gpu: str) -> str:
@@ -144,7 +147,7 @@ def main(argv=None) -> int:
             registered_name=args.registered_name or default_model_name(cfg.category), num_samples=args.num_samples,
             concurrency=args.concurrency, workers_per_trial=args.workers_per_trial, max_failures=args.max_failures,
             reference_cache=args.reference_cache, reference_cache_budget=args.reference_cache_budget,
-            use_gpu=args.use_gpu,
+            use_gpu=args.use_gpu, precision=args.precision,
             ray_address=args.ray_address, num_cpus=args.num_cpus, seed=args.seed)
         settings.check_batch(cfg.student_train.batch_size)
         if memory_plan_or_dry_run(cfg, args, device=plan_device(args.use_gpu), workers=args.workers_per_trial,

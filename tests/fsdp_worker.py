@@ -2,8 +2,9 @@
 torchrun (2 workers, FSDP2 over gloo) or alone, and writes every step's log and the trained parameters (gathered
 whole on rank 0) to the folder given.
 
-    python tests/fsdp_worker.py OUT_DIR STRATEGY [--lora] [--epochs N]                     # one process
-    torchrun --nproc_per_node 2 tests/fsdp_worker.py OUT_DIR fsdp2 [--lora] [--epochs N]    # two workers
+    python tests/fsdp_worker.py OUT_DIR ddp [--lora] [--epochs N]                          # one process, unsharded
+    torchrun --nproc_per_node N tests/fsdp_worker.py OUT_DIR fsdp2 [--lora] [--epochs N]   # N workers, sharded
+    torchrun --nproc_per_node 2 tests/fsdp_worker.py OUT_DIR ddp --frozen-layers 1         # two DDP workers
 
 It also writes OUT_DIR/first_step.pt: every gradient the first optimiser step applied (after clipping) and every
 parameter after that step, gathered whole. With --checkpoint, the run leaves a checkpoint of its first epoch in OUT_DIR/checkpoint as a Tune trial does
@@ -38,6 +39,7 @@ def main() -> None:
     parser.add_argument("--epochs", type=int, default=1)
     parser.add_argument("--checkpoint", action="store_true")
     parser.add_argument("--resume", type=Path)
+    parser.add_argument("--frozen-layers", type=int, default=0)
     args = parser.parse_args()
     torch.set_num_threads(1)
     distributed = "RANK" in os.environ
@@ -49,7 +51,7 @@ def main() -> None:
     from anchor_rm.lora import add_adapters
     from anchor_rm.models import load_reward_model, load_tokenizer, resolve_model
     from anchor_rm.scoring import encode_pairs
-    from anchor_rm.sharded import save_sharded
+    from anchor_rm.sharded import load_pretrained_sharded, save_sharded
     from anchor_rm.training import TrainConfig, train_reward_model
     from anchor_rm.workflow import RewardModel, save_reward_model
 
@@ -61,19 +63,24 @@ def main() -> None:
     if distributed:
         dist.barrier()
     torch.manual_seed(0)  # the adapters' initialisation, the same in every run
-    model = load_reward_model(resolve_model(str(base)))
-    reference = None
-    if args.lora:
-        model = add_adapters(model, 4, 8.0)
+    if distributed and args.strategy == "fsdp2":  # as a trial loads it: meta, sharded, rank 0's weights broadcast
+        model = load_pretrained_sharded(str(base), "cpu", precision="fp32", seed=0, lora_rank=4 if args.lora else 0,
+                                        lora_alpha=8.0)
+        reference = None if args.lora else load_pretrained_sharded(str(base), "cpu", precision="fp32").eval()
     else:
-        reference = load_reward_model(resolve_model(str(base))).eval()
+        model = load_reward_model(resolve_model(str(base)))
+        reference = None
+        if args.lora:
+            model = add_adapters(model, 4, 8.0)
+        else:
+            reference = load_reward_model(resolve_model(str(base))).eval()
     pairs = [PreferencePair(f"question number {i}", f"good answer {i % 7}", f"bad answer {i % 5} " * (i % 3 + 1), "toy")
              for i in range(16)]
     encoder = RewardEncoder(tokenizer, 32, decoder=True)
     encoded = encode_pairs(encoder, pairs)
     config = TrainConfig(method="anchor", anchor_lambda=1.0, anchor_layers="last", epochs=args.epochs, batch_size=8,
                          learning_rate=1e-2, warmup_fraction=0.0, precision="fp32", strategy=args.strategy,
-                         lora_rank=4 if args.lora else 0, length_grouped=False)
+                         lora_rank=4 if args.lora else 0, length_grouped=False, frozen_layers=args.frozen_layers)
     rm = RewardModel(model, tokenizer, encoder, str(base))
 
     def checkpoint(epoch, core, state) -> None:

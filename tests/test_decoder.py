@@ -40,3 +40,30 @@ def test_decoder_reward_is_read_at_the_last_token_and_does_not_depend_on_padding
             hidden = smollm2.model.model(input_ids=ids).last_hidden_state
             manual = smollm2.model.score(hidden[0, -1]).item()  # the score head at the last token
         assert manual == pytest.approx(alone, abs=1e-4)
+
+
+def test_the_reward_is_read_at_the_token_the_anchor_mask_marks_when_it_is_the_pad_token(smollm2):
+    """SmolLM2-135M-Instruct's pad token is its end-of-turn token <|im_end|> (pad = EOS). A response cut to end on it
+    (the assistant turn is "...<|im_end|>\\n": a budget one token short) ends in the pad id: the reward must be read
+    there, where the anchor mask marks the read position, not one token earlier where transformers looks."""
+    tok = smollm2.tokenizer
+    assert tok.pad_token == "<|im_end|>"
+    response = "It is four, since two and two make four."
+    whole = smollm2.encoder.encode("What is 2+2?", response)
+    assert whole.input_ids[-2] == tok.pad_token_id  # "<|im_end|>", then "\n"
+    from anchor_rm.encoding import RewardEncoder
+
+    # a budget one token short of the response: the prompt goes first, then the response's last token ("\n")
+    encoder = RewardEncoder(tok, sum(whole.anchor_mask) - 1, decoder=True)
+    cut = encoder.encode("What is 2+2?", response)
+    assert cut.response_tokens_dropped == 1 and cut.input_ids[-1] == tok.pad_token_id
+    read = len(cut.input_ids) - 1
+    assert cut.anchor_mask[read] == 1
+    scorer = smollm2.scorer(batch_size=8, precision="fp32")
+    reward = scorer.score_encoded([cut, whole])[0]
+    ids = torch.tensor([cut.input_ids])
+    with torch.inference_mode():
+        hidden = smollm2.model.model(input_ids=ids).last_hidden_state
+        at_read = smollm2.model.score(hidden[0, read]).item()
+        one_early = smollm2.model.score(hidden[0, read - 1]).item()
+    assert reward == pytest.approx(at_read, abs=1e-4) and abs(at_read - one_early) > 1e-3

@@ -19,7 +19,7 @@ WORKER = ROOT / "tests" / "fsdp_worker.py"
 def _run(out, strategy, workers, lora, *options):
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     extra = (["--lora"] if lora else []) + list(options)
-    if workers == 1:
+    if workers == 1 and strategy != "fsdp2":  # one process, no process group: the unsharded reference run
         cmd = [PYTHON, str(WORKER), str(out), strategy, *extra]
     else:
         cmd = [PYTHON, "-m", "torch.distributed.run", "--nproc_per_node", str(workers), "--master_addr", "127.0.0.1",
@@ -36,9 +36,9 @@ def test_two_fsdp2_workers_train_as_one_process_does_and_their_checkpoint_contin
     """Two epochs of 2 steps: two workers against one process (every gradient of the first step and the parameters
     after it; the gradient norm of every step; the parameters at the end); the workers' checkpoint of their first epoch then
     continued by one process, read whole, and exported to an ordinary folder."""
-    from anchor_rm.workflow import export_sharded, load_saved
+    from anchor_rm.workflow import export_checkpoint, load_saved
 
-    alone_steps, alone = _run(tmp_path / "alone", "fsdp2", 1, lora, "--epochs", "2")
+    alone_steps, alone = _run(tmp_path / "alone", "ddp", 1, lora, "--epochs", "2")
     sharded_steps, sharded = _run(tmp_path / "sharded", "fsdp2", 2, lora, "--epochs", "2", "--checkpoint")
     assert len(alone_steps) == len(sharded_steps) == 4
     # The first step, parameter by parameter: the gradients it applied (averaged over the two workers' halves of
@@ -84,7 +84,7 @@ def test_two_fsdp2_workers_train_as_one_process_does_and_their_checkpoint_contin
         torch.testing.assert_close(parameter.detach(), after_first[name], rtol=0, atol=0, msg=name)
     prompts, responses = ["question number 3", "hello"], ["good answer 3", "bad answer"]
     expected = load_saved(checkpoint).scorer().score(prompts, responses).rewards
-    export_sharded(checkpoint)
+    export_checkpoint(checkpoint)
     assert not (checkpoint / "sharded").exists() and (checkpoint / "model.safetensors").exists()
     assert "sharded" not in json.loads((checkpoint / "anchor_rm.json").read_text())
     assert (checkpoint / "adapter" / "adapter_model.safetensors").exists() == lora

@@ -80,3 +80,33 @@ def test_the_summary_prints_what_a_gpu_run_must_report_for_fsdp2():
     assert "FSDP2 (fsdp2_lora: 2 workers on cuda, bf16, LoRA rank 16" in text
     assert "ANCHOR over naive per epoch 1.1" in text and "ANCHOR over naive per epoch 1.04" in text
     assert "| anchor | 11.0 | 23.27 | 21.5, 21.7 | 23.7 |" in text
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+def test_the_gpu_acceptance_script_passes_every_check_that_applies_on_a_cpu(tmp_path):
+    """bench/gpu_acceptance.py --device cpu: the script a GPU will run, run here at small sizes, so that it is known to
+    work before a GPU exists (each check's pass/fail in one JSON; the GPU-only one says it was skipped)."""
+    import json
+
+    out = tmp_path / "acceptance.json"
+    proc = subprocess.run([PYTHON, str(ROOT / "bench" / "gpu_acceptance.py"), "--device", "cpu", "--out", str(out)],
+                          capture_output=True, text=True, timeout=560, cwd=tmp_path)
+    result = json.loads(out.read_text())
+    failed = {name: check.get("error", check) for name, check in result["checks"].items() if not check.get("passed", True)}
+    assert proc.returncode == 0 and result["passed"], failed or proc.stderr[-3000:]
+    import gpu_acceptance
+
+    assert set(result["checks"]) == set(gpu_acceptance.CHECKS)
+    assert result["checks"]["tune_smoke"] == {"skipped": "needs a CUDA GPU", "seconds": 0.0}
+    assert result["checks"]["fsdp2_world1"]["dtensor_parameters"]
+    assert result["checks"]["dcp_roundtrip"]["largest_difference"] == 0.0
+    assert result["checks"]["anchor_step_full"]["anchor_loss"] > 0 and result["checks"]["anchor_step_lora"]["anchor_loss"] > 0
+    assert result["checks"]["lora_steps"]["steps"] == 2 and result["checks"]["lora_steps"]["seconds_per_step"] > 0
+    missing = subprocess.run([PYTHON, str(ROOT / "bench" / "gpu_acceptance.py"), "--out", str(tmp_path / "x.json")],
+                             capture_output=True, text=True, timeout=120)
+    import torch
+
+    if not torch.cuda.is_available():
+        assert missing.returncode == 2 and "torch sees no CUDA GPU here" in missing.stderr
+        assert "Traceback" not in missing.stderr and not (tmp_path / "x.json").exists()

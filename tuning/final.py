@@ -17,7 +17,7 @@ from anchor_rm.mlflow_edge import keys, runs
 from anchor_rm.mlflow_edge.registry import RegisteredVersion, log_and_register
 from anchor_rm.report import EvaluationReport
 from anchor_rm.mlflow_edge.writer import PENDING_FILE
-from anchor_rm.workflow import export_sharded, load_saved, scores_from_dict
+from anchor_rm.workflow import export_checkpoint, load_saved, scores_from_dict, training_device
 from tuning.search import SELECTION_RULE, TrialOutcome, best_trial, tied_with
 from tuning.trainable import TRAINING_STATE, VALIDATION_SCORES
 
@@ -26,14 +26,15 @@ log = logging.getLogger("anchor_rm")
 
 def checkpoint_folder(outcome: TrialOutcome, into: Path) -> tuple[Path, dict | None]:
     """A trial's last checkpoint as a local, ordinary Hugging Face folder (works for local and remote Ray
-    storage; an FSDP2 trial's shards are read whole and written as one model, workflow.export_sharded), and the
+    storage; an FSDP2 trial's shards are read whole and written as one model, a LoRA trial's adapters merged into
+    its base on the CPU: workflow.export_checkpoint), and the
     scores on every validation set that the trial measured on that model (None in a checkpoint written before
     they were kept). What only training reads (the optimizer's state, twice the model's size; the metrics not
     yet delivered; those scores) is taken out of the local copy: the folder is what the registry stores and
     the service downloads."""
     import ray.train
 
-    folder = export_sharded(ray.train.Checkpoint(outcome.checkpoint_path).to_directory(str(into)))
+    folder = export_checkpoint(ray.train.Checkpoint(outcome.checkpoint_path).to_directory(str(into)))
     scores_file = folder / VALIDATION_SCORES
     scores = scores_from_dict(json.loads(scores_file.read_text())) if scores_file.exists() else None
     for name in (TRAINING_STATE, PENDING_FILE, VALIDATION_SCORES):
@@ -47,8 +48,9 @@ def evaluate_outcome(shared: SharedStages, outcome: TrialOutcome, folder: Path, 
                      ood_flag: bool = False) -> EvaluationReport:
     """The model in `folder` on the test splits (experiment.final_report). `ood_flag`: fit its OOD flag too and
     save the fit into `folder`, which then serves with it (the registered model; the baselines' reports skip
-    it: about 30 s each on 2 cores, M3)."""
-    rm = load_saved(folder)
+    it: about 30 s each on 2 cores, M3). It scores on the driver's device: its first GPU where it has one (three
+    8B models over the test splits on a CPU would take hours)."""
+    rm = load_saved(folder, device=training_device())
     method = outcome.config.get("method")
     info = {"name": f"{student} ({method})", "student": student, "teacher": teacher, "method": method,
             "hyperparameters": {**train_config, **{k: v for k, v in outcome.config.items() if v is not None}},

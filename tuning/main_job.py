@@ -16,6 +16,7 @@ from anchor_rm.experiment import prepare_shared
 from anchor_rm.mlflow_edge import keys, runs
 from anchor_rm.mlflow_edge.store import configure
 from anchor_rm.mlflow_edge.writer import outage_seconds_from_env
+from anchor_rm.workflow import release_device_memory
 from tuning.final import FinalResult, register_selected
 from tuning.search import init_ray, run_search
 from tuning.trainable import make_payload
@@ -40,6 +41,7 @@ class MainJobSettings:
     reference_cache: str = "auto"  # ram, disk, live or auto (reference_cache.choose_reference_cache)
     reference_cache_budget: int | None = None  # bytes; default a quarter of physical memory
     use_gpu: str = "auto"
+    precision: str = "auto"  # what --precision asked for: trials on GPUs resolve it for their own device
     ray_address: str | None = None
     num_cpus: int | None = None  # the local cluster's CPUs (default: all of this machine's); not with ray_address
     seed: int = 0
@@ -122,6 +124,14 @@ def record_failures(outcomes: list) -> None:
             log.warning("  trial %s %s: %s", o.trial_id or "?", o.config, lines[-1][:300] if lines else "?")
 
 
+def shared_stages(cfg: ProtocolConfig, experiment_id: str):
+    """Data, teacher and ceiling (experiment.prepare_shared), trained on the driver's device (its first GPU where it
+    has one), whose memory is handed back before Ray gives that GPU to a trial (workflow.release_device_memory)."""
+    shared = prepare_shared(cfg, experiment_id)
+    release_device_memory()
+    return shared
+
+
 def run_main_job(cfg: ProtocolConfig, settings: MainJobSettings) -> MainJobResult:
     outage_seconds_from_env()  # a bad value fails here, before any stage runs, not later in every trial
     started = time.perf_counter()
@@ -134,7 +144,7 @@ def run_main_job(cfg: ProtocolConfig, settings: MainJobSettings) -> MainJobResul
 
     log.info("experiment %s: student %s, teacher %s, source %s, targets %s", name, cfg.student, cfg.teacher,
              cfg.source, ", ".join(cfg.targets))
-    shared = prepare_shared(cfg, experiment_id)
+    shared = shared_stages(cfg, experiment_id)
     shared_seconds = time.perf_counter() - started
     log.info("shared stages (data, teacher, ceiling) ready after %.0f s; ceiling - teacher on ID val %s",
              shared_seconds, "n/a" if shared.gap() is None else f"{shared.gap():+.1f} points")
@@ -161,7 +171,7 @@ def run_main_job(cfg: ProtocolConfig, settings: MainJobSettings) -> MainJobResul
                                workers_per_trial=settings.workers_per_trial, concurrency=settings.concurrency,
                                use_gpu=settings.use_gpu, max_failures=settings.max_failures,
                                reference_cache=settings.reference_cache,
-                               reference_cache_budget=settings.reference_cache_budget)
+                               reference_cache_budget=settings.reference_cache_budget, precision=settings.precision)
         search_started = time.perf_counter()
         baselines, anchor = run_search(payload, num_samples=num_samples, concurrency=settings.concurrency,
                                        resume=settings.resume, seed=settings.seed)

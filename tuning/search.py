@@ -154,16 +154,27 @@ def _last_line(text: str) -> str:
     return lines[-1][:300] if lines else "?"
 
 
-# Passed to every Ray worker, including those of a cluster started elsewhere (`ray start`).
+# Passed to every Ray worker, including those of a cluster started elsewhere (`ray start`): these names, and every
+# variable of the prefixes below: the Hugging Face hub's token and caches (HF_TOKEN, HF_HOME, HF_HUB_CACHE: a gated
+# Llama is refused with 401 on a node that lacks them), NCCL's and torch's NCCL settings (NCCL_SOCKET_IFNAME,
+# NCCL_IB_DISABLE, TORCH_NCCL_...: what makes the GPUs of two nodes talk), the CUDA allocator's settings.
 WORKER_ENV_VARS = ("HF_HUB_OFFLINE", "TOKENIZERS_PARALLELISM", "TRANSFORMERS_VERBOSITY", "HF_HUB_DISABLE_PROGRESS_BARS",
+                   "HUGGING_FACE_HUB_TOKEN", "PYTORCH_CUDA_ALLOC_CONF",
                    "ANCHOR_RM_CACHE", "ANCHOR_RM_DATA_DIR", "MLFLOW_TRACKING_URI", OUTAGE_ENV,
                    "MLFLOW_HTTP_REQUEST_MAX_RETRIES", "MLFLOW_HTTP_REQUEST_BACKOFF_FACTOR", STEP_HOOK_ENV)
+WORKER_ENV_PREFIXES = ("HF_", "NCCL_", "TORCH_NCCL_")
+
+
+def worker_env(environ: dict[str, str]) -> dict[str, str]:
+    """The driver's variables every Ray worker gets (WORKER_ENV_VARS and WORKER_ENV_PREFIXES). CUDA_VISIBLE_DEVICES
+    is never among them: Ray sets each worker's own."""
+    return {k: v for k, v in environ.items() if k in WORKER_ENV_VARS or k.startswith(WORKER_ENV_PREFIXES)}
 
 
 def init_ray(address: str | None, num_cpus: int | None = None) -> None:
     if ray.is_initialized():
         return
-    env_vars = {k: os.environ[k] for k in WORKER_ENV_VARS if k in os.environ}
+    env_vars = worker_env(dict(os.environ))
     # Starting a worker imports torch and transformers: on a busy 2-core machine that alone can pass
     # Ray Train's default 60 s limit on worker-group startup.
     env_vars.setdefault("RAY_TRAIN_WORKER_GROUP_START_TIMEOUT_S", os.environ.get("RAY_TRAIN_WORKER_GROUP_START_TIMEOUT_S", "300"))

@@ -74,6 +74,10 @@ class SharedPayload:
     cpus_per_worker: float = 1.0  # logical CPUs Ray reserves for each worker
     threads_per_worker: int = 1  # torch threads in each worker
     use_gpu: bool = False
+    # What the trials' TrainConfig.precision starts as: the driver's resolved value where the trials run on CPUs
+    # like the driver's, the requested one (auto, fp32, bf16) where they run on GPUs; each worker resolves it for
+    # its own device (train_loop_per_worker).
+    trial_precision: str = "auto"
     max_failures: int = 2
     tags: dict = field(default_factory=dict)  # links to the data/teacher/ceiling stage runs
     reference_states: object = None  # ObjectRef of the frozen reference's states on student-train (all layer choices),
@@ -84,7 +88,15 @@ class SharedPayload:
 def _train_config(payload: SharedPayload, config: dict):
     from anchor_rm.training import TrainConfig
 
-    return TrainConfig(**{**payload.cfg.student_train.to_dict(), **trial_method_config(config)})
+    return TrainConfig(**{**payload.cfg.student_train.to_dict(), "precision": payload.trial_precision,
+                          **trial_method_config(config)})
+
+
+def read_training_state(folder: Path) -> dict:
+    """A checkpoint's training state (epoch, optimizer and scheduler states), its tensors on the CPU: the worker that
+    wrote it may have held them on its own GPU, which a restarted worker may not be given; the optimizer moves its
+    state to its parameters' device when it loads it."""
+    return torch.load(Path(folder) / TRAINING_STATE, weights_only=False, map_location="cpu")
 
 
 def train_loop_per_worker(config: dict) -> None:
@@ -92,15 +104,20 @@ def train_loop_per_worker(config: dict) -> None:
     (student.train_student: one student run, as everywhere), and after each epoch measure on the validation
     splits (rank 0), checkpoint and report.
 
-    With --strategy fsdp2 and several workers the student is sharded (training.shard_model): every worker runs
-    the validation passes (each forward pass gathers the layers from all of them; rank 0 logs), and every
-    worker writes its shard of the weights and optimizer state into the epoch's checkpoint, which Ray Train
-    gathers into one folder (sharded.save_sharded); a restarted or resumed trial reads it at any number of
-    workers. final.checkpoint_folder turns the selected one into an ordinary Hugging Face folder."""
+    The precision is resolved here for this worker's device (payload.trial_precision: what --precision asked for
+    where the trials run on GPUs, whose bf16 the driver's CPU says nothing about). With --strategy fsdp2 the
+    student is loaded sharded (sharded.load_pretrained_sharded; at one worker too): every worker runs the
+    validation passes (each forward pass gathers the layers from all of them; rank 0 logs), and every worker
+    writes its shard of the weights and optimizer state into the epoch's checkpoint, which Ray Train gathers into
+    one folder (sharded.save_sharded); a restarted or resumed trial reads it at any number of workers. A LoRA
+    student's checkpoint holds its adapters and head alone. final.checkpoint_folder turns the selected one into an
+    ordinary Hugging Face folder."""
     import ray.train
     import ray.train.torch
 
+    from anchor_rm.lora import ADAPTER_FOLDER
     from anchor_rm.mlflow_edge.writer import BufferedRunWriter
+    from anchor_rm.precision import resolve_precision
     from anchor_rm.sharded import SHARDED_FOLDER
     from anchor_rm.workflow import load_saved, load_student
 
@@ -108,28 +125,29 @@ def train_loop_per_worker(config: dict) -> None:
     torch.set_num_threads(payload.threads_per_worker)
     cfg = payload.cfg
     train_cfg = _train_config(payload, config)
-    context = ray.train.get_context()
-    rank = context.get_world_rank()
-    sharded = train_cfg.strategy == "fsdp2" and context.get_world_size() > 1
     device = ray.train.torch.get_device()
-    run_id = config["mlflow_run_id"]
+    train_cfg.precision = resolve_precision(train_cfg.precision, device.type)
+    rank = ray.train.get_context().get_world_rank()
+    sharded = train_cfg.strategy == "fsdp2"
 
     start_epoch, optimizer_state, undelivered = 0, None, []
     checkpoint = ray.train.get_checkpoint()
     with contextlib.ExitStack() as opened:
         if checkpoint is None:
-            rm = load_student(cfg.student, train_cfg, device="cpu")  # moved to this worker's device below
+            rm = load_student(cfg.student, train_cfg, device)
         else:  # a restarted worker or a resumed experiment: continue after the last finished epoch
             # Open until training ends: a sharded checkpoint is read once the student is sharded.
             folder = Path(opened.enter_context(checkpoint.as_directory()))
-            state = torch.load(folder / TRAINING_STATE, weights_only=False)
+            state = read_training_state(folder)
             undelivered = BufferedRunWriter.read_pending(folder)
             start_epoch, optimizer_state = state["epoch"] + 1, state["optimizer_state"]
             if (folder / SHARDED_FOLDER).is_dir():  # FSDP2: the pretrained student, then the shards read into it
-                rm = load_student(cfg.student, train_cfg, device="cpu")
+                rm = load_student(cfg.student, train_cfg, device)
                 optimizer_state = {**optimizer_state, "sharded": folder}
+            elif train_cfg.lora_rank:  # the pretrained base with the checkpoint's adapters
+                rm = load_student(cfg.student, train_cfg, device, adapters=folder / ADAPTER_FOLDER)
             else:
-                rm = load_saved(folder, adapters=bool(train_cfg.lora_rank))  # LoRA: pretrained base + adapters
+                rm = load_saved(folder, device=device)
         _train_trial(payload, config, train_cfg, rm, device, rank, sharded, start_epoch, optimizer_state, undelivered)
 
 
@@ -142,16 +160,22 @@ def _train_trial(payload: SharedPayload, config: dict, train_cfg, rm, device, ra
 
     from anchor_rm.mlflow_edge import keys, runs
     from anchor_rm.mlflow_edge.writer import BufferedRunWriter
-    from anchor_rm.sharded import save_sharded
+    from anchor_rm.sharded import load_pretrained_sharded, save_sharded
     from anchor_rm.student import NoSink, Validation, train_student
     from anchor_rm.workflow import frozen_reference, save_reward_model, scores_from_dict, scores_to_dict
 
     cfg, run_id = payload.cfg, config["mlflow_run_id"]
-    rm.model.to(device).train()
-    # The frozen reference's states: computed once by the driver, shared by every trial via the object store.
+    rm.model.train()
+    # The frozen reference's states: computed once by the driver, shared by every trial via the object store; or
+    # (live) the frozen model itself, loaded by each worker (sharded with the student under FSDP2).
     reference = None
     if train_cfg.uses_anchor and not train_cfg.lora_rank:  # LoRA: the student with its adapters off
-        reference = frozen_reference(cfg.student).to(device) if payload.reference_live else ray.get(payload.reference_states)
+        if not payload.reference_live:
+            reference = ray.get(payload.reference_states)
+        elif sharded:
+            reference = load_pretrained_sharded(cfg.student, device, precision=train_cfg.precision).eval()
+        else:
+            reference = frozen_reference(cfg.student, device)
     writer = BufferedRunWriter(payload.tracking_uri, run_id, active=True) if rank == 0 else None
     if writer is not None:
         writer.restore(undelivered)  # what the checkpoint's writer had not sent (the server was unreachable)
@@ -159,12 +183,13 @@ def _train_trial(payload: SharedPayload, config: dict, train_cfg, rm, device, ra
                          ray.get_runtime_context().get_node_id())
         runs.set_run_tag(payload.tracking_uri, run_id, keys.PROCESS_GROUP_TAG,  # gloo on CPU, nccl on GPU
                          torch.distributed.get_backend() if torch.distributed.is_initialized() else "none")
+        runs.set_run_tag(payload.tracking_uri, run_id, keys.PRECISION_TAG, train_cfg.precision)
     if start_epoch and writer is not None:
         runs.set_run_tag(payload.tracking_uri, run_id, keys.RESUMED_FROM_EPOCH_TAG, str(start_epoch - 1))
     validation = None
     if rank == 0 or sharded:  # a sharded student's forward pass needs every worker
         validation = Validation(payload.splits, scores_from_dict(payload.teacher_val), payload.headline_targets,
-                                cfg.eval_batch_size, cfg.precision)
+                                cfg.eval_batch_size, train_cfg.precision)
 
     step_hook = load_step_hook(os.environ.get(STEP_HOOK_ENV))
 
@@ -184,7 +209,8 @@ def _train_trial(payload: SharedPayload, config: dict, train_cfg, rm, device, ra
                 opt_state = {k: v for k, v in opt_state.items() if k != "sharded_optimizer"}
             if writer is not None:
                 writer.add({**peak, "worker/tracking_blocked_s": writer.blocked_s}, epoch)
-                save_reward_model(rm, tmp, {"method": train_cfg.method, "teacher": cfg.teacher})
+                save_reward_model(rm, tmp, {"method": train_cfg.method, "teacher": cfg.teacher},
+                                  adapters_only=True)  # a LoRA student: adapters and head, merged once when selected
                 torch.save({"epoch": epoch, "optimizer_state": opt_state}, Path(tmp) / TRAINING_STATE)
                 if scores is not None:
                     (Path(tmp) / VALIDATION_SCORES).write_text(json.dumps(scores_to_dict(scores)))
@@ -254,19 +280,29 @@ def trial_driver(config: dict, payload: SharedPayload) -> None:
 DRIVER_RESOURCES = {"CPU": 0, "node:__internal_head__": 0.001}
 
 
-def worker_resources(node_cpus: list[float], concurrency: int, num_workers: int) -> tuple[float, int]:
+def worker_resources(node_cpus: list[float], concurrency: int, num_workers: int,
+                     node_gpus: list[float] | None = None) -> tuple[float, int]:
     """(logical CPUs per worker, torch threads per worker) so that `concurrency` trials of `num_workers` workers
     each fit the cluster's nodes (`node_cpus`: each node's CPUs). A worker runs on one node, so it never asks
     more than a node has (a request sized on the whole cluster would wait forever on a cluster of small
-    nodes). The trials' drivers hold no CPU (DRIVER_RESOURCES)."""
+    nodes). The trials' drivers hold no CPU (DRIVER_RESOURCES). With `node_gpus` (each node's GPUs: the trials
+    run on GPUs, one per worker), only the nodes with GPUs count, each holding at most as many workers as it has
+    GPUs: a CPU-only head's CPUs must not make the request bigger than a GPU node can give its GPUs' workers."""
     needed = concurrency * num_workers
+    if node_gpus is None:
+        nodes = [(cpus, needed) for cpus in node_cpus if cpus > 0]
+    else:
+        nodes = [(cpus, int(gpus + 1e-9)) for cpus, gpus in zip(node_cpus, node_gpus) if cpus > 0 and gpus >= 1]
+        if sum(slots for _, slots in nodes) < needed:
+            raise ValueError(f"nodes with {node_gpus} GPUs cannot hold {concurrency} concurrent trials of {num_workers} "
+                             f"workers (one GPU each): lower --concurrency or --workers-per-trial")
 
     def fits(per_worker: float) -> bool:
-        return sum(int(cpus / per_worker + 1e-9) for cpus in node_cpus if cpus > 0) >= needed
+        return sum(min(int(cpus / per_worker + 1e-9), slots) for cpus, slots in nodes) >= needed
 
     # Rounded down to hundredths: 8 CPUs for 3 workers is 2.66 each, and three such ask 7.98, not 8.01.
-    candidates = sorted({math.floor(cpus / k * 100) / 100 for cpus in node_cpus if cpus > 0
-                         for k in range(1, needed + 1)}, reverse=True)
+    candidates = sorted({math.floor(cpus / k * 100) / 100 for cpus, _ in nodes for k in range(1, needed + 1)},
+                        reverse=True)
     logical = next((c for c in candidates if c > 0 and fits(c)), 0.0)
     if logical <= 0:
         raise ValueError(f"nodes with {node_cpus} CPUs cannot hold {concurrency} concurrent trials of "
@@ -274,20 +310,22 @@ def worker_resources(node_cpus: list[float], concurrency: int, num_workers: int)
     return logical, max(1, int(logical + 1e-9))
 
 
-def node_cpus() -> list[float]:
-    """The CPUs of each live node of the connected Ray cluster."""
+def node_resources() -> tuple[list[float], list[float]]:
+    """The CPUs and the GPUs of each live node of the connected Ray cluster."""
     import ray
 
-    return [node["Resources"].get("CPU", 0.0) for node in ray.nodes() if node.get("Alive")]
+    alive = [node["Resources"] for node in ray.nodes() if node.get("Alive")]
+    return [r.get("CPU", 0.0) for r in alive], [r.get("GPU", 0.0) for r in alive]
 
 
 def make_payload(cfg: ProtocolConfig, shared, *, tracking_uri: str, experiment_id: str, parent_run_id: str,
                  storage_path: str, workers_per_trial: int, concurrency: int, use_gpu: str,
                  max_failures: int = 2, reference_cache: str = "auto",
-                 reference_cache_budget: int | None = None) -> SharedPayload:
+                 reference_cache_budget: int | None = None, precision: str = "auto") -> SharedPayload:
     """What every trial shares (experiment.SharedStages -> SharedPayload), sized to the Ray cluster, with the
-    frozen reference's states for every layer choice the search may pick in the object store.
-    `use_gpu`: yes, no, or auto (when the cluster has a GPU)."""
+    frozen reference's states for every layer choice the search may pick in the object store, computed on the
+    driver's device (its GPU where it has one; its memory handed back before the trials start).
+    `use_gpu`: yes, no, or auto (when the cluster has a GPU). `precision`: what --precision asked for."""
     import ray
 
     from anchor_rm.reference_cache import ReferenceStates
@@ -295,14 +333,17 @@ def make_payload(cfg: ProtocolConfig, shared, *, tracking_uri: str, experiment_i
     from tuning.space import LAYER_CHOICES
 
     gpus = ray.cluster_resources().get("GPU", 0)
-    cpus_per_worker, threads_per_worker = worker_resources(node_cpus(), concurrency, workers_per_trial)
+    on_gpus = use_gpu == "yes" or (use_gpu == "auto" and gpus > 0)
+    cpus, node_gpus = node_resources()
+    cpus_per_worker, threads_per_worker = worker_resources(cpus, concurrency, workers_per_trial,
+                                                           node_gpus if on_gpus else None)
     payload = SharedPayload(
         cfg=cfg, splits=shared.splits, soft_labels=shared.soft_labels(cfg.student_train.teacher_labels),
         teacher_val=shared.teacher.outputs["scores"]["val"], headline_targets=shared.headline_targets,
         tracking_uri=tracking_uri, experiment_id=experiment_id, parent_run_id=parent_run_id,
         storage_path=storage_path, num_workers=workers_per_trial, cpus_per_worker=cpus_per_worker,
-        threads_per_worker=threads_per_worker, use_gpu=use_gpu == "yes" or (use_gpu == "auto" and gpus > 0),
-        max_failures=max_failures,
+        threads_per_worker=threads_per_worker, use_gpu=on_gpus,
+        trial_precision=precision if on_gpus else cfg.precision, max_failures=max_failures,
         tags=shared.tags(),
     )
     started = time.perf_counter()
@@ -310,7 +351,7 @@ def make_payload(cfg: ProtocolConfig, shared, *, tracking_uri: str, experiment_i
     if train_cfg.lora_rank:
         log.info("LoRA students: ANCHOR's reference is each student with its adapters off (no states cached)")
         return payload
-    rm = load_pretrained(cfg.student, train_cfg.max_length, train_cfg.seed)
+    rm = load_pretrained(cfg.student, train_cfg.max_length, train_cfg.seed, meta=True)  # tokenizer and shape
     states = reference_states(cfg.student, rm, shared.splits.student_train, LAYER_CHOICES, precision=train_cfg.precision,
                               batch_size=cfg.eval_batch_size, cache=reference_cache, budget_bytes=reference_cache_budget,
                               folder=Path(storage_path) / "reference_cache")
@@ -318,6 +359,6 @@ def make_payload(cfg: ProtocolConfig, shared, *, tracking_uri: str, experiment_i
         log.info("reference states for layers %s (%s): %.0f MB in %.0f s", states.layers, states.kind,
                  states.nbytes() / 1e6, time.perf_counter() - started)
         payload.reference_states = ray.put(states)
-    else:
+    else:  # live: every trial's workers load the frozen reference themselves; the driver loads nothing for it
         payload.reference_live = True
     return payload

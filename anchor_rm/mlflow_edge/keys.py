@@ -23,6 +23,7 @@ RESUMED_FROM_EPOCH_TAG = "anchor_rm.resumed_from_epoch"
 # another node has one tag per start)
 RAY_NODE_TAG_PREFIX = "anchor_rm.ray_node.from_epoch_"
 PROCESS_GROUP_TAG = "anchor_rm.process_group_backend"  # torch.distributed's backend in the trial's workers
+PRECISION_TAG = "anchor_rm.precision"  # the precision a trial's workers resolved for their device (fp32, bf16)
 TUNE_NAME_TAG = "anchor_rm.tune_name"
 REGISTERED_TAG = "anchor_rm.registered_version"
 TRIALS_TAG = "anchor_rm.trials"  # on the tune run: how many trials the search ran
