@@ -238,8 +238,9 @@ def prepare_shared(cfg: ProtocolConfig, experiment_id: str, splits: ProtocolSpli
                           splits.teacher_train, label_pairs=splits.student_train)
     ceiling = None
     if cfg.train_ceiling:
-        # Gold training reads no teacher labels: their mode is left at the default so that it keys no ceiling.
-        gold = TrainConfig(**{**cfg.student_train.to_dict(), "method": "gold", "teacher_labels": "raw"})
+        # Gold training reads no teacher labels: their mode is left at the default so that it keys no ceiling. The
+        # ceiling trains here, in one process: unsharded, whatever the trials' strategy (memory_plan plans it so).
+        gold = TrainConfig(**{**cfg.student_train.to_dict(), "method": "gold", "teacher_labels": "raw", "strategy": "ddp"})
         ceiling = _gold_stage("ceiling", cfg.student, gold, cfg, splits, data, experiment_id, splits.student_train)
     return SharedStages(splits, data, teacher, ceiling)
 

@@ -190,7 +190,7 @@ def _loading(shape: ModelShape, base_bytes: int, reference: int, shard: int, dev
     return base_bytes + reference  # loaded on the CPU, moved: never more than it then holds
 
 
-def check_plan(plan: MemoryPlan, limit_bytes: int | None, where: str) -> None:
+def check_plan(plan: MemoryPlan, limit_bytes: int | None, where: str, shardable: bool = True) -> None:
     """Refuses a plan over `limit_bytes` (what one worker has on `where`) in one line: the estimate, the limit, and
     what to change. No limit known: nothing to check."""
     if limit_bytes is None or plan.total <= limit_bytes:
@@ -198,7 +198,7 @@ def check_plan(plan: MemoryPlan, limit_bytes: int | None, where: str) -> None:
     advice = []
     if not plan.trainable_parameters < plan.parameters:
         advice.append("train LoRA adapters (--lora-rank 16)")
-    if plan.strategy == "ddp":
+    if plan.strategy == "ddp" and shardable:
         advice.append("shard over more workers (--strategy fsdp2 --workers-per-trial N)")
     if plan.activations > plan.total // 4:
         advice.append(("" if plan.activation_checkpointing else "--activation-checkpointing, ")
@@ -280,9 +280,11 @@ def planned_precision(cfg, device: str, requested: str = "auto") -> str:
 
 def protocol_plans(cfg, *, strategy: str = "ddp", workers: int = 1, device: str = "cpu",
                    anchor_layer_choices: tuple | None = None, precision: str | None = None) -> dict[str, MemoryPlan]:
-    """The teacher's and the student's (and so the ceiling's) plans for a ProtocolConfig. Settings the model's
-    config refuses (a max length over its positions, frozen layers over anchored ones: the student's own anchor
-    layers, or every choice of a search, `anchor_layer_choices`) are ValueErrors here, before anything trains."""
+    """The teacher's and the student's plans for a ProtocolConfig, and the ceiling's where it differs from the
+    student's: the ceiling trains in the driver's process, unsharded (experiment.prepare_shared), so a sharded
+    student's ceiling is planned as one worker. Settings the model's config refuses (a max length over its
+    positions, frozen layers over anchored ones: the student's own anchor layers, or every choice of a search,
+    `anchor_layer_choices`) are ValueErrors here, before anything trains."""
     from anchor_rm.losses import check_layer_settings
     from anchor_rm.models import check_max_length, load_model_config
 
@@ -301,6 +303,10 @@ def protocol_plans(cfg, *, strategy: str = "ddp", workers: int = 1, device: str 
                                   strategy=strategy if role == "student" else "ddp",
                                   workers=workers if role == "student" else 1, device=device,
                                   precision=precision or cfg.precision)
+        if role == "student" and cfg.train_ceiling and strategy == "fsdp2":
+            plans["ceiling"] = plan_memory(model_shape(config), batch_size=train.batch_size, max_length=train.max_length,
+                                           lora_rank=train.lora_rank, activation_checkpointing=train.activation_checkpointing,
+                                           device=device, precision=precision or cfg.precision)
     return plans
 
 
@@ -325,7 +331,9 @@ def check_protocol_memory(cfg, *, strategy: str = "ddp", workers: int = 1, devic
     for role, plan in plans.items():
         if log is not None:
             log.info("memory plan of the %s: %s", role, plan.summary())
-        check_plan(plan, limit, f"{where}, for the {role}")
+        # the ceiling trains in the driver's one process: it cannot be sharded
+        check_plan(plan, limit, f"{where}, for the {role}" + (" (it trains in the driver's process, unsharded)"
+                                                              if role == "ceiling" else ""), shardable=role != "ceiling")
         # Loading for GPUs passes through host RAM: every DDP worker of the machine at once, rank 0 alone under FSDP2.
         loaders = 1 if plan.strategy == "fsdp2" or role == "teacher" else workers_per_machine
         if plan.host_loading and host is not None and plan.host_loading * loaders > host:

@@ -60,5 +60,9 @@ def test_the_paper_presets_dry_run_shows_config_data_and_plan_then_refuses_what_
     assert refused.returncode == 2
     error = [line for line in refused.stderr.splitlines() if line.startswith("error:")]
     assert len(error) == 1 and "will not fit" in error[0] and "for the student" in error[0], refused.stderr[-2000:]
+    # Sharded over 8 workers the trials fit; the strong ceiling, trained in the driver's one process, does not
     sharded = _tune(tmp_path, "--lora-rank", "0", "--strategy", "fsdp2", "--workers-per-trial", "8")
-    assert sharded.returncode == 0 and "fsdp2 on 8 cuda worker(s)" in sharded.stdout, sharded.stderr[-2000:]
+    assert "- student: 23.72 GiB per worker" in sharded.stdout and "fsdp2 on 8 cuda worker(s)" in sharded.stdout
+    error = [line for line in sharded.stderr.splitlines() if line.startswith("error:")]
+    assert sharded.returncode == 2 and len(error) == 1, sharded.stderr[-2000:]
+    assert "for the ceiling (it trains in the driver's process, unsharded)" in error[0] and "--strategy" not in error[0]
