@@ -15,7 +15,8 @@ import numpy as np
 
 from anchor_rm.catalog import dataset_digest, iter_dataset_pairs
 from anchor_rm.config import ProtocolConfig
-from anchor_rm.metrics import HeadlineChoice, apply_temperature, calibration, choose_headline_targets, fit_temperature
+from anchor_rm.metrics import (HeadlineChoice, apply_temperature, calibration, choose_headline_targets, fit_temperature,
+                               label_information)
 from anchor_rm.ood_flag import measure_sets
 from anchor_rm.report import EvaluationReport, build_report
 from anchor_rm.mlflow_edge import keys, runs
@@ -181,7 +182,8 @@ def _gold_stage(stage: str, model_name: str, train_cfg: TrainConfig, cfg: Protoc
     # The teacher (label_pairs given) also fits the temperature of its labels on the gold teacher_calibration
     # split and measures its calibration on ID validation, raw and scaled: part of its key, so that a teacher
     # stage cached before it did is computed again once.
-    calibrated = () if label_pairs is None else ("calibration:id_val", "temperature:teacher_calibration")
+    calibrated = () if label_pairs is None else ("calibration:id_val", "temperature:teacher_calibration",
+                                                 "labels:student_train")
     key = cache_key(STAGE_VERSION, stage, data.outputs["digests"], model_name, train_cfg.key_dict(), cfg.eval_batch_size,
                     eval_splits, cfg.precision, *calibrated)
 
@@ -201,7 +203,13 @@ def _gold_stage(stage: str, model_name: str, train_cfg: TrainConfig, cfg: Protoc
                               "soft_labels/agree_with_gold": float(np.mean(labels > 0.5) * 100)})
             outputs["calibration"] = teacher_calibration(rm, splits, cfg.eval_batch_size, cfg.precision)
             c = outputs["calibration"]
-            runs.log_metrics({"calibration/ece": c["ece"], "calibration/mean_margin": c["mean_margin"],
+            c["student_train_labels"] = label_summary(labels, c["temperature_fit"]["temperature"])
+            log.info("teacher labels on student-train: %.4f nats per pair raw, %.4f calibrated (ln 2 = 0.693: hard "
+                     "labels), %.1f%% right", c["student_train_labels"]["information_nats"],
+                     c["student_train_labels"]["calibrated_information_nats"], c["student_train_labels"]["accuracy"])
+            runs.log_metrics({"soft_labels/information_nats": c["student_train_labels"]["information_nats"],
+                              "soft_labels/calibrated_information_nats": c["student_train_labels"]["calibrated_information_nats"],
+                              "calibration/ece": c["ece"], "calibration/mean_margin": c["mean_margin"],
                               "calibration/temperature": c["temperature_fit"]["temperature"],
                               "calibration/calibrated_ece": c["calibrated"]["ece"],
                               "calibration/calibrated_mean_margin": c["calibrated"]["mean_margin"]})
@@ -213,6 +221,15 @@ def _gold_stage(stage: str, model_name: str, train_cfg: TrainConfig, cfg: Protoc
     if run.reused:
         log.info("%s: reusing run %s (same inputs)", stage, run.run_id)
     return run
+
+
+def label_summary(q, temperature: float) -> dict:
+    """The teacher's soft labels on student-train (gold pairs: chosen is the better) as the students read them: what
+    they say, raw and scaled (metrics.label_information), and how often they are right."""
+    q = np.asarray(q, dtype=float)
+    return {"n_pairs": int(q.size), "information_nats": label_information(q),
+            "calibrated_information_nats": label_information(apply_temperature(q, temperature)),
+            "accuracy": float(100 * np.mean(q > 0.5))}
 
 
 def teacher_calibration(rm: RewardModel, splits: ProtocolSplits, batch_size: int, precision: str) -> dict:

@@ -256,7 +256,8 @@ def calibration(q: Sequence[float] | np.ndarray, bins: int = 10) -> dict[str, fl
     - `ece`: expected calibration error over `bins` equal-width bins of the confidence max(q, 1 - q) in
       [0.5, 1]: sum over bins of (share of pairs) * |accuracy - mean confidence|, as a fraction;
     - `mean_margin`: mean |q - 0.5|, how far from indifferent the labels are (0: every label 0.5);
-    - `accuracy` (points; q = 0.5 counts as wrong, as a tie does) and `mean_confidence`.
+    - `accuracy` (points; q = 0.5 counts as wrong, as a tie does) and `mean_confidence`;
+    - `information_nats`: what the labels say (label_information).
     """
     q = _probabilities(q, "q")
     if isinstance(bins, bool) or int(bins) != bins or bins < 1:
@@ -267,7 +268,17 @@ def calibration(q: Sequence[float] | np.ndarray, bins: int = 10) -> dict[str, fl
     ece = sum(abs(correct[which == b].mean() - confidence[which == b].mean()) * np.count_nonzero(which == b)
               for b in range(bins) if np.any(which == b)) / q.size
     return {"n_pairs": int(q.size), "bins": int(bins), "ece": float(ece), "mean_margin": float(np.mean(np.abs(q - 0.5))),
-            "accuracy": float(100.0 * correct.mean()), "mean_confidence": float(confidence.mean())}
+            "accuracy": float(100.0 * correct.mean()), "mean_confidence": float(confidence.mean()),
+            "information_nats": label_information(q)}
+
+
+def label_information(q: Sequence[float] | np.ndarray) -> float:
+    """How much soft labels q say, in nats per pair: the mean of ln 2 - H(q_i), the binary entropy's distance from
+    indifference (KL(q_i || 1/2)). 0: every label is 0.5, a student learns nothing from them; ln 2 = 0.693: every
+    label is 0 or 1. Whether they say it rightly is `calibration`'s accuracy."""
+    q = np.clip(_probabilities(q, "q"), 1e-12, 1 - 1e-12)
+    entropy = -(q * np.log(q) + (1 - q) * np.log(1 - q))
+    return float(np.mean(np.log(2.0) - entropy))
 
 
 def _logits(q: Sequence[float] | np.ndarray, name: str) -> np.ndarray:

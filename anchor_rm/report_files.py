@@ -144,6 +144,12 @@ def _protocol_summary(report: EvaluationReport) -> list[str]:
             lines.append(f"- Teacher temperature {t['temperature']:.3g}, fitted on {t['n_pairs']} gold `{t['split']}` pairs "
                          f"(NLL {t['nll_raw']:.4f} -> {t['nll_calibrated']:.4f}); scaled labels on the same {c['split']} "
                          f"split: ECE {k['ece']:.3f}, mean |q - 0.5| {k['mean_margin']:.3f}")
+        if "student_train_labels" in c:
+            s = c["student_train_labels"]
+            scaled = (f", {s['calibrated_information_nats']:.4f} scaled" if "calibrated_information_nats" in s else "")
+            lines.append(f"- The labels the students learn from ({s['n_pairs']} student-train pairs): "
+                         f"{s['information_nats']:.4f} nats per pair raw{scaled}, of ln 2 = 0.693 for hard labels "
+                         f"(0: no information); right on {s['accuracy']:.1f}% of them (gold)")
     if report.selection is not None:
         lines += _selection_lines(report.selection)
     if report.validation is not None:

@@ -26,8 +26,8 @@ from anchor_rm.progress import Progress
 
 # Shares of the source's pairs by prompt group, cut in this order. teacher_calibration is gold data of the
 # teacher's share that the teacher does not train on and no student sees: the temperature of its soft labels is
-# fitted there (metrics.fit_temperature). Half of the teacher's share: the presets train the teacher on 150 pairs
-# of its half, while one temperature fitted on 160 pairs moved by chance from 0.3 to 1,000. Placed right after
+# fitted there (metrics.fit_temperature). Half of the teacher's share: the teacher trains on the other half, and one
+# temperature fitted on 160 pairs moved by chance from 0.3 to 1,000. Placed right after
 # teacher_train, it leaves the cuts of student_train, id_val and id_test where they were when the teacher's
 # share was 0.3.
 SOURCE_FRACTIONS = (("teacher_train", 0.15), ("teacher_calibration", 0.15), ("student_train", 0.4), ("id_val", 0.1),

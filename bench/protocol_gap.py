@@ -13,7 +13,10 @@ teacher on both. Choose on validation; the test column is there to show that the
     .venv/bin/python bench/protocol_gap.py --category helpful --teachers minilm-l6-first1:150:2:5e-4 \
         --student smollm2-135m --lora-rank 16 --lora-learning-rate 1e-3 --seeds 0     # a LoRA ceiling
 
-Each model's line also gives its training time per optimizer step and the process's peak resident memory so far.
+Each teacher's soft labels on student-train are measured as a student would read them: what they say (mean nats
+per pair, ln 2 - H(q); 0.693 for hard labels, 0 when every label is 0.5), raw and scaled by the temperature fitted
+on the gold teacher_calibration split, and how often they are right (q > 0.5 on gold pairs). Each model's line
+also gives its training time per optimizer step and the process's peak resident memory so far.
 """
 
 from __future__ import annotations
@@ -64,6 +67,7 @@ def parse_args(argv=None) -> argparse.Namespace:
 def main(argv=None) -> int:
     args = parse_args(argv)
     from anchor_rm.config import preset
+    from anchor_rm.metrics import apply_temperature, fit_temperature, label_information
     from anchor_rm.precision import resolve_precision
     from anchor_rm.splits import build_protocol_splits, subsample
     from anchor_rm.training import TrainConfig
@@ -100,9 +104,13 @@ def main(argv=None) -> int:
             val = evaluate_pairs(rm, splits.id_val, 64, precision=precision)
             test = evaluate_pairs(rm, splits.id_test, 64, precision=precision)
             out = {"val": val.accuracy, "test": test.accuracy, "n_val": val.n_pairs, "n_test": test.n_pairs}
-            if label_pairs is not None:  # how much a student can learn from it: the spread of its soft labels
+            if label_pairs is not None:  # how much a student can learn from it: what its soft labels say, and how right
                 q = soft_labels(rm, label_pairs, 64, precision)
-                out["q_mean_abs_dev"] = float(np.mean(np.abs(q - 0.5)))
+                temperature = fit_temperature(soft_labels(rm, splits.teacher_calibration, 64, precision))["temperature"]
+                scaled = apply_temperature(q, temperature)
+                out.update(q_mean_abs_dev=float(np.mean(np.abs(q - 0.5))), information_nats=label_information(q),
+                           calibrated_information_nats=label_information(scaled), temperature=temperature,
+                           label_accuracy=float(100 * np.mean(q > 0.5)))
             out.update(train_seconds=train_seconds, steps=steps,
                        seconds_per_step=None if not steps else train_seconds / steps,
                        peak_rss_gib=resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2 ** 20)
@@ -121,14 +129,16 @@ def main(argv=None) -> int:
             print(f"  ceiling {args.student} on {n} pairs x {args.epochs}"
                   f"{f', lowest {args.frozen_layers} layers frozen' if args.frozen_layers else ''}: {ceiling}", flush=True)
             for label, teacher in teachers.items():
-                rows.append([str(seed), label, f"{teacher['q_mean_abs_dev']:.3f}", str(n),
+                rows.append([str(seed), label, f"{teacher['information_nats']:.4f}",
+                             f"{teacher['calibrated_information_nats']:.4f}", f"{teacher['label_accuracy']:.1f}", str(n),
                              f"{teacher['val']:.1f}", f"{ceiling['val']:.1f}",
                              f"{ceiling['val'] - teacher['val']:+.1f}", f"{teacher['test']:.1f}", f"{ceiling['test']:.1f}",
                              f"{ceiling['test'] - teacher['test']:+.1f}"])
                 record.append({"seed": seed, "teacher": label, "student_pairs": n,
                                "teacher_scores": teacher, "ceiling_scores": ceiling})
     n_val, n_test = record[0]["ceiling_scores"]["n_val"], record[0]["ceiling_scores"]["n_test"]
-    table = markdown_table(["seed", "teacher (gold pairs x epochs, lr)", "teacher mean abs(q - 0.5)", "ceiling pairs", "teacher val",
+    table = markdown_table(["seed", "teacher (gold pairs x epochs, lr)", "label nats (raw)", "label nats (calibrated)",
+                            "label accuracy on student-train", "ceiling pairs", "teacher val",
                             "ceiling val", "gap val",
                             "teacher test", "ceiling test", "gap test"], rows)
     frozen = f" (embeddings and lowest {args.frozen_layers} layers frozen)" if args.frozen_layers else ""

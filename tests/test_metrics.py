@@ -184,3 +184,16 @@ def test_calibration_of_soft_labels_on_gold_pairs():
             calibration(bad)
     with pytest.raises(ValueError, match="bins"):
         calibration([0.6], bins=0)
+
+
+def test_label_information_is_what_soft_labels_say_in_nats():
+    from anchor_rm.metrics import calibration, label_information
+
+    assert label_information([0.5, 0.5]) == pytest.approx(0.0, abs=1e-12)  # indifferent: nothing to learn
+    assert label_information([0.0, 1.0, 1.0]) == pytest.approx(np.log(2), rel=1e-9)  # hard labels: ln 2 each
+    assert label_information([0.3]) == pytest.approx(label_information([0.7]))  # wrong or right, it says as much
+    q = [0.55, 0.48, 0.6]
+    expected = np.mean([np.log(2) + p * np.log(p) + (1 - p) * np.log(1 - p) for p in q])
+    assert label_information(q) == pytest.approx(expected) and calibration(q)["information_nats"] == pytest.approx(expected)
+    with pytest.raises(ValueError):
+        label_information([1.2])

@@ -565,3 +565,24 @@ def test_the_teachers_temperature_and_scaled_labels_round_trip_and_are_rendered(
     data["teacher_calibration"]["temperature_fit"]["temperature"] = 0
     with pytest.raises(ValueError, match="teacher_calibration.temperature_fit.temperature"):
         validate_report_dict(data)
+
+
+def test_what_the_teachers_labels_say_round_trips_and_is_rendered(tmp_path):
+    """The labels the students learn from: nats per pair (of ln 2 for hard labels) and how often they are right."""
+    from anchor_rm.experiment import label_summary
+
+    labels = label_summary([0.9, 0.6, 0.4, 0.55], temperature=2.0)
+    assert labels["n_pairs"] == 4 and labels["accuracy"] == 75.0
+    assert 0 < labels["calibrated_information_nats"] < labels["information_nats"] < 0.6932  # scaling by T > 1 softens
+    measured = {"dataset": "pku-saferlhf", "split": "val", "n_pairs": 300, "bins": 10, "ece": 0.071,
+                "mean_margin": 0.02, "accuracy": 57.0, "mean_confidence": 0.52, "information_nats": 0.0154,
+                "student_train_labels": labels}
+    report = example_report(teacher_calibration=measured)
+    assert read_report(write_report(report, tmp_path)["json"]).teacher_calibration == measured
+    assert (f"- The labels the students learn from (4 student-train pairs): {labels['information_nats']:.4f} nats per "
+            f"pair raw, {labels['calibrated_information_nats']:.4f} scaled, of ln 2 = 0.693 for hard labels (0: no "
+            "information); right on 75.0% of them (gold)") in report_to_markdown(report)
+    data = report.to_dict()
+    data["teacher_calibration"]["student_train_labels"]["information_nats"] = 0.8
+    with pytest.raises(ValueError, match="student_train_labels.information_nats"):
+        validate_report_dict(data)
