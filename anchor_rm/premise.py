@@ -1,0 +1,139 @@
+"""Does the failure ANCHOR targets happen here? Before any lambda is read, the run's naive W2S student is held against
+the paper's premise: weak-to-strong training gains in-distribution while it loses out of distribution.
+
+Two forms, each with a 95% interval from a paired bootstrap over the pairs of each test set (teacher, naive W2S and
+ceiling scored on the same pairs, so their differences keep their correlation):
+- absolute: WRG > 0 while the mean AOG over the headline targets < 0 (both intervals clear of 0);
+- relative: on an OOD target, naive W2S recovers a smaller share of the teacher-to-ceiling gap (its PGR) than on
+  ID (the shortfall's interval above 0): it keeps less of what gold training transfers there. Measured only on a
+  target where the ceiling's gap over the teacher is clear of 0 (else the share is a ratio of noise).
+Beside them, where the run has them: whether the frozen-representation end (a nearly frozen student: a very large
+lambda) transfers better OOD than naive W2S, and whether drift predicts the OOD drop across the run's models.
+The verdict: present when either form holds on the headline targets, else absent.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+RESAMPLES = 2000
+
+
+@dataclass(frozen=True)
+class SetCorrectness:
+    """One test set: which pairs each model ranks right (True: chosen scored strictly above rejected), on the same
+    pairs in the same order (workflow.SplitScore.correct)."""
+
+    dataset: str
+    role: str  # "id" | "ood"
+    teacher: np.ndarray
+    naive: np.ndarray
+    ceiling: np.ndarray | None = None
+    frozen: np.ndarray | None = None  # the frozen-representation end, where the run has it
+
+    @classmethod
+    def from_strings(cls, dataset: str, role: str, teacher: str, naive: str, ceiling: str | None = None,
+                     frozen: str | None = None) -> SetCorrectness:
+        def bits(text):
+            return None if text is None else np.frombuffer(text.encode(), dtype=np.uint8) == ord("1")
+
+        sizes = {len(t) for t in (teacher, naive, ceiling, frozen) if t is not None}
+        if len(sizes) != 1:
+            raise ValueError(f"{dataset}: the models were scored on different numbers of pairs ({sorted(sizes)})")
+        return cls(dataset, role, bits(teacher), bits(naive), bits(ceiling), bits(frozen))
+
+
+def _interval(samples: np.ndarray) -> list[float]:
+    finite = samples[np.isfinite(samples)]
+    return [float(np.percentile(finite, 2.5)), float(np.percentile(finite, 97.5))] if finite.size else [np.nan, np.nan]
+
+
+def premise_check(sets: list[SetCorrectness], headline: list[str], *, drift: list[tuple[float, float]] | None = None,
+                  resamples: int = RESAMPLES, seed: int = 0) -> dict:
+    """The premise check of one run (module docstring). `sets`: the ID test set and the OOD test sets; `headline`:
+    the OOD targets the mean AOG averages; `drift`: (drift, OOD drop) of each of the run's models, where measured.
+    Accuracies in points."""
+    rng = np.random.default_rng(seed)
+    by_name = {s.dataset: s for s in sets}
+    id_set = next((s for s in sets if s.role == "id"), None)
+    if id_set is None or not headline or any(t not in by_name for t in headline):
+        raise ValueError(f"the premise check needs the ID set and every headline target, got {sorted(by_name)} for "
+                         f"headline {headline}")
+    # One resampling of pair indices per set, shared by the models: paired differences.
+    draws = {s.dataset: rng.integers(0, len(s.teacher), size=(resamples, len(s.teacher))) for s in sets}
+
+    def boot(s: SetCorrectness, model: np.ndarray) -> np.ndarray:
+        return 100.0 * model[draws[s.dataset]].mean(axis=1)
+
+    def point(model: np.ndarray) -> float:
+        return 100.0 * float(model.mean())
+
+    wrg = point(id_set.naive) - point(id_set.teacher)
+    wrg_boot = boot(id_set, id_set.naive) - boot(id_set, id_set.teacher)
+    aog = {t: point(by_name[t].naive) - point(by_name[t].teacher) for t in headline}
+    aog_boot = np.mean([boot(by_name[t], by_name[t].naive) - boot(by_name[t], by_name[t].teacher) for t in headline], axis=0)
+    wrg_interval, aog_interval = _interval(wrg_boot), _interval(aog_boot)
+    absolute = {"wrg": wrg, "wrg_interval": wrg_interval, "mean_aog": float(np.mean(list(aog.values()))),
+                "mean_aog_interval": aog_interval, "aog": aog,
+                "present": bool(wrg_interval[0] > 0 and aog_interval[1] < 0)}
+
+    relative = None
+    if id_set.ceiling is not None:
+        def pgr(s: SetCorrectness) -> tuple[float, np.ndarray, list[float]]:
+            gap_boot = boot(s, s.ceiling) - boot(s, s.teacher)
+            with np.errstate(divide="ignore", invalid="ignore"):
+                share_boot = (boot(s, s.naive) - boot(s, s.teacher)) / gap_boot
+            gap = point(s.ceiling) - point(s.teacher)
+            share = (point(s.naive) - point(s.teacher)) / gap if gap else float("nan")
+            return share, share_boot, _interval(gap_boot)
+
+        id_pgr, id_boot, id_gap = pgr(id_set)
+        targets = {}
+        for name in headline:
+            s = by_name[name]
+            if s.ceiling is None:
+                continue
+            share, share_boot, gap = pgr(s)
+            measurable = gap[0] > 0 and id_gap[0] > 0
+            shortfall = _interval(id_boot - share_boot) if measurable else [np.nan, np.nan]
+            targets[name] = {"pgr": share, "ceiling_gap_interval": gap, "measurable": bool(measurable),
+                             "shortfall": id_pgr - share, "shortfall_interval": shortfall,
+                             "present": bool(measurable and shortfall[0] > 0)}
+        relative = {"id_pgr": id_pgr, "id_ceiling_gap_interval": id_gap, "targets": targets,
+                    "present": any(t["present"] for t in targets.values())}
+
+    frozen = None
+    if all(by_name[t].frozen is not None for t in headline):
+        difference = float(np.mean([point(by_name[t].frozen) - point(by_name[t].naive) for t in headline]))
+        difference_boot = np.mean([boot(by_name[t], by_name[t].frozen) - boot(by_name[t], by_name[t].naive)
+                                   for t in headline], axis=0)
+        interval = _interval(difference_boot)
+        frozen = {"mean_ood_difference": difference, "interval": interval, "better": bool(interval[0] > 0)}
+
+    drift_block = None
+    if drift is not None and len(drift) >= 3:
+        from scipy.stats import pearsonr
+
+        values = np.asarray(drift, dtype=float)
+        r = pearsonr(values[:, 0], values[:, 1])
+        drift_block = {"models": len(drift), "pearson": float(r.statistic), "p_value": float(r.pvalue)}
+
+    present = absolute["present"] or bool(relative and relative["present"])
+    return {"verdict": "present" if present else "absent", "resamples": resamples, "headline_targets": list(headline),
+            "absolute": absolute, "relative": relative, "frozen_end": frozen, "drift": drift_block,
+            "summary": premise_summary(present, absolute, relative)}
+
+
+def premise_summary(present: bool, absolute: dict, relative: dict | None) -> str:
+    """One line: the verdict and the numbers behind it."""
+    a = absolute
+    parts = [f"naive W2S WRG {a['wrg']:+.1f} [{a['wrg_interval'][0]:+.1f}, {a['wrg_interval'][1]:+.1f}], mean AOG "
+             f"{a['mean_aog']:+.1f} [{a['mean_aog_interval'][0]:+.1f}, {a['mean_aog_interval'][1]:+.1f}]"]
+    if relative is not None:
+        shares = [f"{name} {t['pgr']:.2f}" + ("" if t["measurable"] else " (no clear ceiling gap)")
+                  for name, t in relative["targets"].items()]
+        parts.append(f"PGR ID {relative['id_pgr']:.2f} against " + ", ".join(shares))
+    state = "present" if present else "absent"
+    return f"the failure ANCHOR targets is {state} here: " + "; ".join(parts)

@@ -1,0 +1,69 @@
+"""The premise check (anchor_rm/premise.py): does naive W2S show the failure ANCHOR targets, in its absolute form
+(WRG > 0, mean AOG < 0) or its relative one (a smaller share of the teacher-to-ceiling gap recovered OOD than ID),
+each beyond its bootstrap interval."""
+
+import numpy as np
+import pytest
+
+from anchor_rm.premise import SetCorrectness, premise_check
+
+pytestmark = pytest.mark.timeout(60)
+
+
+def _right(n: int, points: float, seed: int) -> np.ndarray:
+    """n pairs of which `points`% are ranked right, in a seeded order."""
+    correct = np.zeros(n, dtype=bool)
+    correct[: round(n * points / 100)] = True
+    return np.random.default_rng(seed).permutation(correct)
+
+
+def _set(name, role, teacher, naive, ceiling=None, frozen=None, n=2000):
+    return SetCorrectness(name, role, _right(n, teacher, 1), _right(n, naive, 2),
+                          None if ceiling is None else _right(n, ceiling, 3), None if frozen is None else _right(n, frozen, 4))
+
+
+def test_a_student_that_gains_id_and_loses_ood_shows_the_absolute_form():
+    check = premise_check([_set("src", "id", 60, 70, 80), _set("a", "ood", 60, 50, 70), _set("b", "ood", 62, 55, 70)],
+                          ["a", "b"])
+    assert check["verdict"] == "present" and check["absolute"]["present"]
+    assert check["absolute"]["wrg"] == pytest.approx(10.0) and check["absolute"]["mean_aog"] == pytest.approx(-8.5)
+    lo, hi = check["absolute"]["mean_aog_interval"]
+    assert lo < -8.5 < hi < 0 and "is present here" in check["summary"]
+
+
+def test_a_smaller_share_of_the_gap_recovered_ood_is_the_relative_form():
+    # ID: teacher 60, naive 70, ceiling 80 (PGR 0.5); OOD: teacher 60, naive 62, ceiling 80 (PGR 0.1)
+    check = premise_check([_set("src", "id", 60, 70, 80), _set("a", "ood", 60, 62, 80)], ["a"])
+    assert not check["absolute"]["present"] and check["relative"]["present"] and check["verdict"] == "present"
+    target = check["relative"]["targets"]["a"]
+    assert target["pgr"] == pytest.approx(0.1) and check["relative"]["id_pgr"] == pytest.approx(0.5)
+    assert target["shortfall_interval"][0] > 0 and target["measurable"]
+
+
+def test_a_student_that_transfers_as_far_as_it_gains_shows_no_failure():
+    check = premise_check([_set("src", "id", 60, 70, 80), _set("a", "ood", 60, 70, 80)], ["a"])
+    assert check["verdict"] == "absent" and not check["relative"]["present"] and "is absent here" in check["summary"]
+
+
+def test_a_target_without_a_clear_ceiling_gap_is_not_measured_and_noise_is_no_failure():
+    check = premise_check([_set("src", "id", 60, 70, 80), _set("a", "ood", 60, 59, 60.5, n=300)], ["a"])
+    assert not check["relative"]["targets"]["a"]["measurable"] and check["verdict"] == "absent"
+    assert not check["absolute"]["present"]  # a one-point AOG on 300 pairs: inside its interval
+    assert "no clear ceiling gap" in check["summary"]
+
+
+def test_the_frozen_end_and_drift_are_reported_where_the_run_has_them():
+    check = premise_check([_set("src", "id", 60, 70, 80, frozen=62), _set("a", "ood", 60, 58, 80, frozen=66)], ["a"],
+                          drift=[(0.1, 1.0), (0.2, 2.5), (0.3, 2.9), (0.4, 4.2)])
+    assert check["frozen_end"]["better"] and check["frozen_end"]["mean_ood_difference"] == pytest.approx(8.0)
+    assert check["drift"]["models"] == 4 and check["drift"]["pearson"] > 0.9
+    assert premise_check([_set("src", "id", 60, 70), _set("a", "ood", 60, 58)], ["a"])["frozen_end"] is None
+
+
+def test_models_scored_on_other_pairs_or_a_missing_set_are_refused():
+    with pytest.raises(ValueError, match="different numbers of pairs"):
+        SetCorrectness.from_strings("a", "ood", "1010", "101")
+    with pytest.raises(ValueError, match="needs the ID set and every headline target"):
+        premise_check([_set("a", "ood", 60, 58)], ["a"])
+    s = SetCorrectness.from_strings("src", "id", "1100", "1110", "1111")
+    assert s.naive.tolist() == [True, True, True, False]
