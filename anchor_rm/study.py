@@ -44,6 +44,11 @@ DRIFT_LAYERS = ("last", "middle")  # drift is measured at both layer choices for
 STUDY_TARGETS = {category: list(spec["targets"]) for category, spec in CATEGORIES.items()}
 
 
+# StudyConfig's student options and their defaults: a setting at its default is not one of the study's settings.
+STUDENT_DEFAULTS = {"student": "", "lora_rank": 0, "lora_alpha": 16.0, "lora_learning_rate": None,
+                    "activation_checkpointing": False}
+
+
 @dataclass
 class StudyConfig:
     categories: list[str] = field(default_factory=lambda: ["helpful", "harmless"])
@@ -61,6 +66,14 @@ class StudyConfig:
     budgets: list[tuple[float, int]] = field(default_factory=list)
     preset: str = "study"
     precision: str = "auto"  # resolved once per process (anchor_rm/precision.py); every instance uses it
+    # The strong student and how it trains, where not the preset's: a decoder with LoRA adapters (its ANCHOR
+    # reference its adapters off) puts the paper's claim to a student with a prior to protect. At their defaults
+    # these are left out of settings(), so that studies recorded before they existed still compare equal.
+    student: str = ""  # "": the preset's (MiniLM-L6)
+    lora_rank: int = 0
+    lora_alpha: float = 16.0
+    lora_learning_rate: float | None = None
+    activation_checkpointing: bool = False
 
     def __post_init__(self):
         unknown = [c for c in self.categories if c not in STUDY_TARGETS]
@@ -94,8 +107,10 @@ class StudyConfig:
         return asdict(self)
 
     def settings(self) -> dict:
-        """What every instance of this study shares: all but the categories and seeds."""
-        return {k: v for k, v in self.to_dict().items() if k not in ("categories", "seeds")}
+        """What every instance of this study shares: all but the categories and seeds (and the student's options
+        at their defaults: STUDENT_DEFAULTS)."""
+        return {k: v for k, v in self.to_dict().items()
+                if k not in ("categories", "seeds") and not (k in STUDENT_DEFAULTS and v == STUDENT_DEFAULTS[k])}
 
 
 def protocol_for(study: StudyConfig, category: str, seed: int) -> ProtocolConfig:
@@ -104,6 +119,11 @@ def protocol_for(study: StudyConfig, category: str, seed: int) -> ProtocolConfig
     cfg.seed = seed
     cfg.teacher_train.seed = seed
     cfg.student_train.seed = seed
+    if study.student:
+        cfg.student = study.student
+    for name in ("lora_rank", "lora_alpha", "lora_learning_rate", "activation_checkpointing"):
+        setattr(cfg.student_train, name, getattr(study, name))
+    cfg.student_train.__post_init__()
     cfg.resolve_precision(study.precision, driver_device_type())
     return cfg
 
@@ -279,12 +299,18 @@ def write_instance(path: Path, key: str, instance: dict) -> None:
     os.replace(partial, path)
 
 
+def recorded_settings(config: dict) -> dict:
+    """The settings of a study.json's `config`, as StudyConfig.settings() gives them (the student's options at their
+    defaults left out, whether recorded or not)."""
+    return {k: v for k, v in config.items()
+            if k not in ("categories", "seeds") and not (k in STUDENT_DEFAULTS and v == STUDENT_DEFAULTS[k])}
+
+
 def adoptable(earlier: dict, study: StudyConfig, category: str, seed: int,
               split_sizes: dict) -> tuple[dict | None, str]:
     """The instance (category, seed) of an earlier study.json (`earlier`, parsed) when it was made with this
     study's settings and the same split sizes, else None; and why."""
-    config = earlier.get("config") or {}
-    theirs = {k: v for k, v in config.items() if k not in ("categories", "seeds")}
+    theirs = recorded_settings(earlier.get("config") or {})
     ours = json.loads(json.dumps(study.settings()))  # as study.json holds them: budgets as lists
     if theirs != ours:
         differ = sorted(k for k in set(theirs) | set(ours) if theirs.get(k) != ours.get(k))
@@ -310,7 +336,7 @@ def check_out_folder(out: Path, study: StudyConfig) -> None:
         config = None
     if not isinstance(config, dict):
         raise ValueError(f"--out {out}: {path} is not a study.json this command wrote; pass another --out")
-    theirs = {k: v for k, v in config.items() if k not in ("categories", "seeds")}
+    theirs = recorded_settings(config)
     ours = json.loads(json.dumps(study.settings()))  # as study.json holds them: budgets as lists
     differ = sorted(k for k in set(theirs) | set(ours) if theirs.get(k) != ours.get(k))
     for key in ("categories", "seeds"):

@@ -4,6 +4,9 @@ three seeds, representation drift; then the tables and plots of docs/results.md.
     python pipelines/study.py                         # the whole study into ./study (hours on 2 CPU cores; resumable)
     python pipelines/study.py --categories helpful --seeds 0 --out study-helpful
     python pipelines/study.py --preset smoke --seeds 0 --lambdas 1e-2 --out smoke   # a few minutes: the whole path
+    python pipelines/study.py --categories harmless --seeds 0 --student smollm2-135m --lora-rank 16 \
+        --lora-alpha 32 --lora-learning-rate 1e-3 --layers last --lambdas 10,1000 --confidence-alphas "" \
+        --teacher-labels calibrated --out study-decoder      # a decoder student with LoRA (hours on 2 CPU cores)
 
 Every run goes to the MLflow experiment `anchor-rm-study` (--experiment). Each student is a run keyed by its
 inputs: run the same command again after an interruption and finished students are read back, not trained
@@ -27,7 +30,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _common import add_precision_argument, clean_errors, setup_logging  # noqa: E402
+from _common import SCALE_FIELDS, add_precision_argument, add_scale_arguments, clean_errors, setup_logging  # noqa: E402
 
 log = logging.getLogger("anchor_rm")
 
@@ -77,6 +80,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--preset", choices=["study", "smoke"], default="study",
                    help="study: the sizes of docs/results.md; smoke: tiny, for tests")
     add_precision_argument(p)
+    p.add_argument("--student", default="",
+                   help="the strong student: short name (smollm2-135m), folder or hub id (default: the preset's, minilm-l6)")
+    add_scale_arguments(p)
     p.add_argument("--out", default="study",
                    help="folder for study.json, tables.md, the plots and instances/ (default ./study); one that "
                         "holds another study's study.json is refused")
@@ -113,7 +119,8 @@ def main(argv=None) -> int:
 
         study = StudyConfig(categories=args.categories, seeds=args.seeds, lambdas=args.lambdas, layer_choices=args.layers,
                             confidence_alphas=args.confidence_alphas, teacher_labels=args.teacher_labels,
-                            budgets=args.budgets, preset=args.preset, precision=args.precision)
+                            budgets=args.budgets, preset=args.preset, precision=args.precision, student=args.student,
+                            **{name: getattr(args, name) for name in SCALE_FIELDS if getattr(args, name) is not None})
         adopt = [(path, _read_study(path)) for path in args.adopt]
         out = Path(args.out)
         check_out_folder(out, study)

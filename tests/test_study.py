@@ -389,3 +389,19 @@ def test_the_gap_table_marks_each_seed_by_its_ceiling_over_teacher_interval_and_
     assert id_gap(clear) is None and "| 0 | 60.0 (100) | - | - | - |" in gap_table([clear])[2]
     write_study_report([unclear], tmp_path)
     assert "### helpful: the weak-to-strong gap and the headline, per seed" in (tmp_path / "tables.md").read_text()
+
+
+def test_a_decoder_students_options_are_settings_only_when_set_and_reach_its_protocol():
+    """Studies recorded before the student's options existed compare equal (their settings lack them); a decoder
+    study's options key it and reach the student's TrainConfig."""
+    from anchor_rm.study import StudyConfig, protocol_for
+
+    plain = StudyConfig(categories=["harmless"], seeds=[0], precision="fp32")
+    assert not {"student", "lora_rank", "lora_alpha", "lora_learning_rate", "activation_checkpointing"} & set(plain.settings())
+    decoder = StudyConfig(categories=["harmless"], seeds=[0], precision="fp32", student="smollm2-135m", lora_rank=16,
+                          lora_alpha=32.0, lora_learning_rate=1e-3)
+    assert decoder.settings()["student"] == "smollm2-135m" and decoder.settings()["lora_rank"] == 16
+    cfg = protocol_for(decoder, "harmless", 0)
+    assert cfg.student == "smollm2-135m" and cfg.student_train.lora_rank == 16
+    assert cfg.student_train.lora_alpha == 32.0 and cfg.student_train.lora_learning_rate == 1e-3
+    assert protocol_for(plain, "harmless", 0).student == "minilm-l6"
