@@ -82,7 +82,7 @@ def load_pretrained_sharded(name: str, device: torch.device | str, *, precision:
         torch.manual_seed(seed)  # the head (and adapters) initialised as load_pretrained initialises them
         whole = prepared(load_reward_model(source))
         full = whole.state_dict()
-        computed = {name: buffer for name, buffer in whole.named_buffers() if name not in full}
+        computed = {key: buffer for key, buffer in whole.named_buffers() if key not in full}
         del whole
     set_model_state_dict(model, full, options=StateDictOptions(full_state_dict=True, broadcast_from_rank0=True))
     box = [computed]
