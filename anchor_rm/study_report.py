@@ -16,6 +16,7 @@ from typing import Callable, Sequence
 import numpy as np
 
 from anchor_rm.mlflow_edge.keys import validation_metrics
+from anchor_rm.premise import premise_table
 from anchor_rm.metrics import accuracy_standard_error, transfer_metrics
 from anchor_rm.report_files import write_atomically
 from anchor_rm.workflow import scores_from_dict
@@ -275,7 +276,11 @@ def target_table(rows, targets: list[str]) -> list[str]:
 
 # Two-sided 95% Student-t quantiles by degrees of freedom: with three seeds a difference needs about
 # 4.3 standard errors before it counts, not the 2 a large sample would need.
-T95 = {1: 12.71, 2: 4.30, 3: 3.18, 4: 2.78, 5: 2.57, 6: 2.45, 7: 2.36, 8: 2.31, 9: 2.26}
+def t95(degrees_of_freedom: int) -> float:
+    """The two-sided 95% quantile of Student's t (scipy), for any degrees of freedom."""
+    from scipy.stats import t
+
+    return float(t.ppf(0.975, degrees_of_freedom))
 
 
 def paired(rows, a: str, b: str, key: str = "mean_nts") -> str:
@@ -287,7 +292,7 @@ def paired(rows, a: str, b: str, key: str = "mean_nts") -> str:
     if len(diffs) < 2:
         return text + "; one seed: no interval)"
     se = float(np.std(diffs, ddof=1) / math.sqrt(len(diffs)))
-    half = T95.get(len(diffs) - 1, 2.0) * se
+    half = t95(len(diffs) - 1) * se
     verdict = "within noise" if abs(diffs.mean()) <= half else ("higher" if diffs.mean() > 0 else "lower")
     return text + f"; SE {se:.2f}, 95% CI {diffs.mean() - half:+.2f} to {diffs.mean() + half:+.2f}) -> {verdict}"
 
@@ -349,8 +354,9 @@ def correlations(instances: Sequence[dict]) -> tuple[float, float, int]:
     y = np.array([m["ood_drop"] for m in metrics])
     if len(x) < 3 or x.std() == 0 or y.std() == 0:
         return float("nan"), float("nan"), len(x)
-    rank = lambda v: np.argsort(np.argsort(v)).astype(float)  # noqa: E731 (no ties expected in real numbers)
-    return float(np.corrcoef(x, y)[0, 1]), float(np.corrcoef(rank(x), rank(y))[0, 1]), len(x)
+    from scipy.stats import pearsonr, spearmanr
+
+    return float(pearsonr(x, y).statistic), float(spearmanr(x, y).statistic), len(x)  # Spearman: ties at mean rank
 
 
 def _plot(instances_by_category: dict[str, list[dict]], rows_by_category: dict, out: Path) -> list[Path]:
@@ -445,6 +451,7 @@ def write_study_report(instances: list[dict], out: str | Path) -> list[Path]:
         sizes = ", ".join(f"{name} {_n_cell([m['n'][name] for m in rows[0][1]])}" for name in [first["source"]] + first["targets"])
         lines += [f"## {cat}: source {first['source']}, student {first['student']}, teacher {first['teacher']}", "",
                   f"Seeds: {', '.join(str(i['seed']) for i in insts)}. Test pairs per seed: {sizes}.", ""]
+        lines += [f"### {cat}: does the failure ANCHOR targets happen here?", ""] + premise_table(insts) + [""]
         lines += main_table(rows) + [""]
         lines += [f"### {cat}: the weak-to-strong gap and the headline, per seed", ""] + gap_table(insts) + [""]
         lines += teacher_table(insts) + [""]

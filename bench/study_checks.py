@@ -36,6 +36,7 @@ import sys
 from pathlib import Path
 
 import numpy as np
+from scipy.stats import spearmanr
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
@@ -196,14 +197,6 @@ def item2(h5) -> None:
               + (f"; of those above, {min(above):+.2f} to {max(above):+.2f}" if above else ""))
 
 
-def average_ranks(values: np.ndarray) -> np.ndarray:
-    """Ranks with ties given their mean rank (study_report.correlations' ranks assume no ties; two seeds'
-    margins tie here)."""
-    ranks = np.empty(len(values))
-    ranks[np.argsort(values, kind="stable")] = np.arange(len(values), dtype=float)
-    return np.array([ranks[values == v].mean() for v in values])
-
-
 def item3(h5, rows) -> None:
     print("== item 3: the teacher's soft labels and naive W2S's WRG ==")
     fields = sorted({k for inst in h5 for split in ("val", "test") for s in inst["teacher_scores"][split].values() for k in s})
@@ -222,7 +215,7 @@ def item3(h5, rows) -> None:
           f"range {margins.min():.3f}-{margins.max():.3f}")
     print(f"naive W2S WRG per seed: {seeds_text(wrg)}")
     print(f"correlation over the {len(h5)} seeds: Pearson r {np.corrcoef(margins, wrg)[0, 1]:+.2f}, "
-          f"Spearman {np.corrcoef(average_ranks(margins), average_ranks(wrg))[0, 1]:+.2f}")
+          f"Spearman {spearmanr(margins, wrg).statistic:+.2f}")
 
 
 def item4(h5, rows) -> None:

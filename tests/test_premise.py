@@ -67,3 +67,37 @@ def test_models_scored_on_other_pairs_or_a_missing_set_are_refused():
         premise_check([_set("a", "ood", 60, 58)], ["a"])
     s = SetCorrectness.from_strings("src", "id", "1100", "1110", "1111")
     assert s.naive.tolist() == [True, True, True, False]
+
+
+def _scores(points_by_set: dict, seed: int, n: int = 1000) -> dict:
+    return {name: {"accuracy": points, "n_pairs": n, "correct": "".join("1" if c else "0" for c in _right(n, points, seed))}
+            for name, points in points_by_set.items()}
+
+
+def test_a_study_instance_is_checked_from_its_record_and_tabled():
+    """From a study.json record: its naive W2S on the main labels, the largest-lambda last-layer ANCHOR student as
+    the frozen end (with the share of naive's drift it removes), drift against the OOD drop across its students."""
+    from anchor_rm.premise import instance_premise, premise_table
+
+    def student(method, points, msd, lam=0.0, labels="calibrated"):
+        return {"method": method, "teacher_labels": labels, "anchor_lambda": lam,
+                "anchor_layers": "last" if method == "anchor" else None, "test": _scores(points, 2),
+                "drift": {t: {"last": {"msd": msd}} for t in ("a", "b")}}
+
+    instance = {"seed": 0, "source": "src", "targets": ["a", "b"], "headline_targets": ["a", "b"],
+                "teacher_labels": "calibrated", "teacher_scores": {"test": _scores({"src": 60, "a": 60, "b": 62}, 1)},
+                "ceiling_scores": {"test": _scores({"src": 80, "a": 70, "b": 70}, 3)},
+                "students": [student("naive", {"src": 70, "a": 50, "b": 55}, 0.10),
+                             student("naive", {"src": 71, "a": 70, "b": 71}, 0.11, labels="raw"),
+                             student("anchor", {"src": 66, "a": 58, "b": 60}, 0.05, lam=1.0),
+                             student("anchor", {"src": 62, "a": 61, "b": 63}, 0.01, lam=10.0)]}
+    check = instance_premise(instance)
+    assert check["verdict"] == "present" and check["absolute"]["wrg"] == pytest.approx(10.0)
+    assert check["frozen_end"]["anchor_lambda"] == 10.0 and check["frozen_end"]["drift_removed"] == pytest.approx(0.9)
+    assert check["drift"]["models"] == 4
+    old = {**instance, "seed": 1, "teacher_scores": {"test": {k: {**v, "correct": None} for k, v in
+                                                             instance["teacher_scores"]["test"].items()}}}
+    table = "\n".join(premise_table([instance, old]))
+    assert "| 0 | +10.0 [" in table and "**present** |" in table
+    assert "| 1 | not measured: scores recorded before per-pair results were kept" in table
+    assert "present on 1 of 2 seeds" in table

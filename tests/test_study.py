@@ -117,7 +117,7 @@ def test_tuned_rows_select_on_validation_never_on_test(tmp_path):
     text = (tmp_path / "tables.md").read_text()
     assert "| ANCHOR last (lambda tuned on val) | 60.0 ± 0.0 (100) | +0.0 ± 0.0 | +1.5 ± 0.7 | +1.50 ± 0.71 |" in text
     assert "anchor last lambda=0.001; anchor last lambda=0.001" in text
-    assert "ANCHOR last (lambda tuned on val) minus naive W2S, mean_nts: +2.50 (per seed +2.00, +3.00; SE 0.50, 95% CI -3.86 to +8.86) -> within noise" in text
+    assert "ANCHOR last (lambda tuned on val) minus naive W2S, mean_nts: +2.50 (per seed +2.00, +3.00; SE 0.50, 95% CI -3.85 to +8.85) -> within noise" in text
     assert all(p.exists() and p.stat().st_size > 0 for p in paths)
 
 
@@ -405,3 +405,10 @@ def test_a_decoder_students_options_are_settings_only_when_set_and_reach_its_pro
     assert cfg.student == "smollm2-135m" and cfg.student_train.lora_rank == 16
     assert cfg.student_train.lora_alpha == 32.0 and cfg.student_train.lora_learning_rate == 1e-3
     assert protocol_for(plain, "harmless", 0).student == "minilm-l6"
+
+
+def test_the_t_quantile_is_students_at_any_degrees_of_freedom():
+    from anchor_rm.study_report import t95
+
+    assert t95(1) == pytest.approx(12.706, abs=1e-3) and t95(9) == pytest.approx(2.262, abs=1e-3)
+    assert t95(29) == pytest.approx(2.045, abs=1e-3)  # past 9 the old table said 2.0
