@@ -18,6 +18,7 @@ from anchor_rm.config import ProtocolConfig
 from anchor_rm.metrics import (HeadlineChoice, apply_temperature, calibration, choose_headline_targets, fit_temperature,
                                label_information)
 from anchor_rm.ood_flag import measure_sets
+from anchor_rm.premise import SetCorrectness, jsonable, not_measured, premise_check
 from anchor_rm.report import EvaluationReport, build_report
 from anchor_rm.mlflow_edge import keys, runs
 from anchor_rm.mlflow_edge.keys import cache_key
@@ -262,16 +263,34 @@ def prepare_shared(cfg: ProtocolConfig, experiment_id: str, splits: ProtocolSpli
     return SharedStages(splits, data, teacher, ceiling)
 
 
+def premise_of(shared: SharedStages, naive_test: dict | None) -> dict:
+    """Whether this experiment's naive W2S shows the failure ANCHOR targets (premise.premise_check), from its test
+    scores per set (workflow.SplitScore) beside the teacher's and the ceiling's on the same pairs; "not measured",
+    saying why, where it cannot be read (no naive W2S in the run, scores without per-pair results)."""
+    if naive_test is None:
+        return not_measured("no naive W2S student was trained in this run (tune.py trains one; train.py --method naive)")
+    source, headline = shared.splits.source, shared.headline_targets
+    teacher, ceiling = shared.teacher_scores("test"), shared.ceiling_scores("test")
+    try:
+        sets = [SetCorrectness.from_strings(name, "id" if name == source else "ood", teacher[name].correct,
+                                            naive_test[name].correct, None if ceiling is None else ceiling[name].correct)
+                for name in [source, *headline]]
+        return jsonable(premise_check(sets, headline))
+    except (ValueError, KeyError) as exc:
+        return not_measured(str(exc))
+
+
 def final_report(shared: SharedStages, rm: RewardModel, model_info: dict, eval_batch_size: int, precision: str,
                  selection_splits: str = "none", selection: dict | None = None,
-                 validation_scores: dict | None = None, ood_flag: bool = False) -> EvaluationReport:
+                 validation_scores: dict | None = None, ood_flag: bool = False) -> tuple[EvaluationReport, dict]:
     """The student on every test split, beside the teacher (and ceiling), as a report; `precision` is the
     experiment's resolved precision (the teacher's test scores were taken in it too). The same on every
     validation split goes into the report's validation block: what promotion compares. `validation_scores`: this
     model's scores per validation set as its training measured them after its last epoch (StudentRun), taken
     instead of scoring it on them again. `ood_flag`: fit the OOD flag's density on student-train and its
     threshold on ID validation (workflow.fit_ood_flag; set on `rm`, saved with it from then on) and measure it
-    on the test splits in the same pass that scores them."""
+    on the test splits in the same pass that scores them. Returns the report and the model's test scores per set
+    (what premise_of reads of naive W2S)."""
     model_info = {**model_info, "precision": precision}
     splits = shared.splits
     if ood_flag:
@@ -294,13 +313,14 @@ def final_report(shared: SharedStages, rm: RewardModel, model_info: dict, eval_b
             student = evaluate_model(rm, splits, split, eval_batch_size, precision=precision)
         rows[split] = split_results(splits, split, student, shared.teacher_scores(split), shared.ceiling_scores(split))
     digests = {k: v for k, v in shared.data.outputs["digests"].items()}
-    return build_report(model_info, rows["test"], selection_splits=selection_splits, figure_splits="test",
+    report = build_report(model_info, rows["test"], selection_splits=selection_splits, figure_splits="test",
                         data_digests=digests, headline_targets=shared.headline_targets,
                         target_flags=shared.headline.flags, headline_note=shared.headline.note,
                         teacher_calibration=shared.teacher_calibration,
                         validation_results=rows["val"], selection=selection,
                         ood_flag=(measure_sets(rm.density, flagged, reference=next(f for f in flagged if f.role == "id"))
                                   if ood_flag else None))
+    return report, student
 
 
 def run_student(cfg: ProtocolConfig, shared: SharedStages, train_cfg: TrainConfig, run_name: str | None = None) -> tuple[str, EvaluationReport]:
@@ -327,8 +347,10 @@ def run_student(cfg: ProtocolConfig, shared: SharedStages, train_cfg: TrainConfi
                                 reference=reference, after_epoch=after_epoch)
         info = {"name": f"{cfg.student} ({train_cfg.method})", "student": cfg.student, "teacher": cfg.teacher,
                 "method": train_cfg.method, "hyperparameters": train_cfg.to_dict(), "run_id": run_id}
-        report = final_report(shared, rm, info, cfg.eval_batch_size, cfg.precision,
-                              validation_scores=trained.validation_scores, ood_flag=True)
+        report, test_scores = final_report(shared, rm, info, cfg.eval_batch_size, cfg.precision,
+                                           validation_scores=trained.validation_scores, ood_flag=True)
+        report.premise = premise_of(shared, test_scores if train_cfg.method == "naive" else None)
+        log.info("premise: %s", report.premise["summary"])
         runs.log_report(report)
         runs.log_reward_model(rm, {"method": train_cfg.method, "teacher": cfg.teacher})
     return run_id, report

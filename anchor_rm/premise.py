@@ -39,6 +39,8 @@ class SetCorrectness:
         def bits(text):
             return None if text is None else np.frombuffer(text.encode(), dtype=np.uint8) == ord("1")
 
+        if teacher is None or naive is None:
+            raise ValueError(f"{dataset}: scores recorded before per-pair results were kept")
         sizes = {len(t) for t in (teacher, naive, ceiling, frozen) if t is not None}
         if len(sizes) != 1:
             raise ValueError(f"{dataset}: the models were scored on different numbers of pairs ({sorted(sizes)})")
@@ -124,6 +126,22 @@ def premise_check(sets: list[SetCorrectness], headline: list[str], *, drift: lis
     return {"verdict": "present" if present else "absent", "resamples": resamples, "headline_targets": list(headline),
             "absolute": absolute, "relative": relative, "frozen_end": frozen, "drift": drift_block,
             "summary": premise_summary(present, absolute, relative)}
+
+
+def not_measured(why: str) -> dict:
+    """A report's premise block where no check could be made, saying why."""
+    return {"verdict": "not measured", "summary": f"the premise check was not made: {why}"}
+
+
+def jsonable(value):
+    """`value` with every float that is not finite (a share of a zero gap) as None: what report.json can hold."""
+    if isinstance(value, dict):
+        return {k: jsonable(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [jsonable(v) for v in value]
+    if isinstance(value, float) and not np.isfinite(value):
+        return None
+    return value
 
 
 def premise_summary(present: bool, absolute: dict, relative: dict | None) -> str:

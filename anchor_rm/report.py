@@ -83,6 +83,9 @@ class EvaluationReport:
     # The OOD flag the model serves with (ood_flag.measure_sets: its fit, and per set the share flagged,
     # AUROC, accuracy on flagged and unflagged pairs); None for a model without one.
     ood_flag: dict[str, Any] | None = None
+    # Whether the run's naive W2S shows the failure ANCHOR targets (premise.premise_check: the verdict and its
+    # numbers); None in reports written before session 30 and where no check was made.
+    premise: dict[str, Any] | None = None
 
     @property
     def validation(self) -> dict[str, Any] | None:
@@ -136,6 +139,7 @@ class EvaluationReport:
                if self.validation_splits is not None else {}),
             **({"selection": dict(self.selection)} if self.selection is not None else {}),
             **({"ood_flag": dict(self.ood_flag)} if self.ood_flag is not None else {}),
+            **({"premise": dict(self.premise)} if self.premise is not None else {}),
             "data_digests": dict(self.data_digests),
         }
         validate_report_dict(report_dict)
@@ -387,6 +391,7 @@ def build_report(
     headline_note: str | None = None,
     teacher_calibration: dict[str, Any] | None = None,
     ood_flag: dict[str, Any] | None = None,
+    premise: dict[str, Any] | None = None,
 ) -> EvaluationReport:
     """Assemble a report and compute WRG, AOG, NTS, mean NTS and PGR (ID) from the rows.
 
@@ -395,7 +400,8 @@ def build_report(
     how a search chose this model (tuning/final.py: selection_summary). `target_flags` and `headline_note`:
     why OOD targets are flagged (metrics.choose_headline_targets). `teacher_calibration`: the teacher's soft
     labels against gold on ID validation (metrics.calibration). `ood_flag`: what the model's OOD flag does on
-    the figure splits (ood_flag.measure_sets).
+    the figure splits (ood_flag.measure_sets). `premise`: whether the run's naive W2S shows the failure ANCHOR
+    targets (premise.premise_check).
 
     kind="protocol" (training, tuning): `results` holds exactly one row with role "id" and at least one
     "ood" row, all on `figure_splits`, each with a teacher accuracy. kind="evaluation" (any model on any
@@ -437,6 +443,7 @@ def build_report(
         headline_note=headline_note,
         teacher_calibration=None if teacher_calibration is None else dict(teacher_calibration),
         ood_flag=None if ood_flag is None else dict(ood_flag),
+        premise=None if premise is None else dict(premise),
         **derived,
     )
     report.to_dict()  # validates the whole report
@@ -487,6 +494,7 @@ def report_from_dict(report_dict: dict[str, Any]) -> EvaluationReport:
         headline_note=report_dict.get("headline_note"),
         teacher_calibration=report_dict.get("teacher_calibration"),
         ood_flag=report_dict.get("ood_flag"),
+        premise=report_dict.get("premise"),
     )
 
 

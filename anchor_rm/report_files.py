@@ -150,6 +150,10 @@ def _protocol_summary(report: EvaluationReport) -> list[str]:
             lines.append(f"- The labels the students learn from ({s['n_pairs']} student-train pairs): "
                          f"{s['information_nats']:.4f} nats per pair raw{scaled}, of ln 2 = 0.693 for hard labels "
                          f"(0: no information); right on {s['accuracy']:.1f}% of them (gold)")
+    if report.premise is not None:
+        lines.append(f"- **Does the failure ANCHOR targets happen here?** {report.premise['summary']} (anchor_rm/premise.py: "
+                     "absolute, WRG > 0 with mean AOG < 0; relative, a smaller share of the teacher-to-ceiling gap "
+                     "recovered OOD than ID; each beyond its 95% paired-bootstrap interval)")
     if report.selection is not None:
         lines += _selection_lines(report.selection)
     if report.validation is not None:

@@ -30,9 +30,12 @@ def headline_tags(report: EvaluationReport) -> dict[str, str]:
         tags[f"aog.{target}"] = f"{value:.2f}"
     if report.pgr is not None:
         tags["pgr"] = f"{report.pgr:.3f}"
-    for key in ("anchor_lambda", "anchor_layers"):
-        if key in report.model.get("hyperparameters", {}):
-            tags[key] = str(report.model["hyperparameters"][key])
+    if report.model.get("method") == "anchor":  # a naive or confidence version has no anchor to tag
+        for key in ("anchor_lambda", "anchor_layers"):
+            if key in report.model.get("hyperparameters", {}):
+                tags[key] = str(report.model["hyperparameters"][key])
+    if report.premise is not None:
+        tags["premise"] = report.premise["verdict"]  # is there a failure for ANCHOR to fix here?
     return tags
 
 
@@ -61,4 +64,5 @@ def describe(report: EvaluationReport) -> str:
         f"{report.figure_splits} splits. ID {idr.dataset}: {idr.student_accuracy:.1f} (teacher "
         f"{idr.teacher_accuracy:.1f}, n={idr.n_pairs}); WRG {report.wrg:+.2f}; mean OOD NTS "
         f"{report.mean_nts:+.2f}. OOD: {ood}."
+        + (f" Premise: {report.premise['summary']}." if report.premise is not None else "")
     )

@@ -173,6 +173,9 @@ def print_outcome(result, tracking_uri: str) -> None:
     print(report_to_markdown(result.final.report))
     print("\nTest-split comparison (selection used validation splits only):\n")
     print(result.final.comparison)
+    premise = result.final.report.premise
+    if premise is not None:  # before any lambda: was there a failure for ANCHOR to fix in this run?
+        print(f"\npremise: {premise['summary']}")
     print(f"\nregistered: {version.model_uri} (alias challenger), run {version.run_id}")
     print(f"report:     runs:/{version.run_id}/report/report.md (and report.json, report.png, comparison.md, "
           f"nts_vs_lambda.png)")

@@ -23,7 +23,7 @@ from service.schemas import TRUNCATION_POLICY, ModelRef
 logger = logging.getLogger("anchor_rm.service")
 
 
-HEADLINE_TAGS = ("mean_nts", "wrg", "id_accuracy", "teacher_id_accuracy", "pgr", "method", "anchor_lambda",
+HEADLINE_TAGS = ("premise", "mean_nts", "wrg", "id_accuracy", "teacher_id_accuracy", "pgr", "method", "anchor_lambda",
                  "anchor_layers", "selection_splits", "figure_splits")
 
 

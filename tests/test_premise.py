@@ -101,3 +101,30 @@ def test_a_study_instance_is_checked_from_its_record_and_tabled():
     assert "| 0 | +10.0 [" in table and "**present** |" in table
     assert "| 1 | not measured: scores recorded before per-pair results were kept" in table
     assert "present on 1 of 2 seeds" in table
+
+
+def test_an_experiments_report_carries_the_check_of_its_naive_w2s_or_says_why_not():
+    """experiment.premise_of: the run's naive W2S on the test splits beside its teacher and ceiling (what tune.py's
+    selected version and a naive train.py run carry), as JSON a report holds (no NaN); "not measured" with why."""
+    from types import SimpleNamespace
+
+    from anchor_rm.experiment import premise_of
+    from anchor_rm.report_summary import headline_tags
+    from anchor_rm.workflow import scores_from_dict
+    from test_report import example_report
+
+    points = {"teacher": {"src": 60, "a": 60}, "ceiling": {"src": 80, "a": 60}, "naive": {"src": 70, "a": 50}}
+    scores = {who: scores_from_dict({k: {**v, "tie_rate": 0.0, "identical_after_truncation": 0}
+                                     for k, v in _scores(p, seed).items()})
+              for seed, (who, p) in enumerate(points.items())}
+    shared = SimpleNamespace(splits=SimpleNamespace(source="src"), headline_targets=["a"],
+                             teacher_scores=lambda split: scores["teacher"], ceiling_scores=lambda split: scores["ceiling"])
+    check = premise_of(shared, scores["naive"])
+    assert check["verdict"] == "present" and check["absolute"]["present"]
+    assert check["relative"]["targets"]["a"]["pgr"] is None  # the ceiling's gap on "a" is 0: a NaN share, as null
+    report = example_report(premise=check)
+    assert report.to_dict()["premise"]["verdict"] == "present" and headline_tags(report)["premise"] == "present"
+    assert premise_of(shared, None)["verdict"] == "not measured"
+    old = scores_from_dict({k: {**v, "correct": None} for k, v in
+                            {n: s.__dict__ for n, s in scores["naive"].items()}.items()})
+    assert "before per-pair results were kept" in premise_of(shared, old)["summary"]

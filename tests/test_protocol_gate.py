@@ -93,7 +93,8 @@ def test_the_final_report_takes_the_validation_scores_training_measured_instead_
     monkeypatch.setattr(experiment, "evaluate_model", evaluate_model)
     measured = scores_from_dict(_scores(hh_helpful=63.0, ultrafeedback=58.0, llmbar=51.0, pandalm=64.0))
     info = {"name": "s", "student": "s", "teacher": "t", "method": "naive", "hyperparameters": {}, "run_id": None}
-    report = experiment.final_report(shared, None, info, 8, "fp32", validation_scores=measured)
+    report, test_scores = experiment.final_report(shared, None, info, 8, "fp32", validation_scores=measured)
+    assert test_scores["hh-helpful"].accuracy == 61.0  # what the premise check reads of a naive W2S model
     assert scored == ["test"]  # the model is scored once, on the test splits
     assert {r.dataset: r.student_accuracy for r in report.validation_splits} == {
         "hh-helpful": 63.0, "ultrafeedback": 58.0, "llmbar": 51.0, "pandalm": 64.0}

@@ -11,7 +11,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from anchor_rm.config import ProtocolConfig
-from anchor_rm.experiment import SharedStages, final_report
+from anchor_rm.experiment import SharedStages, final_report, premise_of
 from anchor_rm.metrics import difference_standard_error
 from anchor_rm.mlflow_edge import keys, runs
 from anchor_rm.mlflow_edge.registry import RegisteredVersion, log_and_register
@@ -45,8 +45,9 @@ def checkpoint_folder(outcome: TrialOutcome, into: Path) -> tuple[Path, dict | N
 def evaluate_outcome(shared: SharedStages, outcome: TrialOutcome, folder: Path, student: str, teacher: str,
                      eval_batch_size: int, train_config: dict, precision: str,
                      selection: dict | None = None, validation_scores: dict | None = None,
-                     ood_flag: bool = False) -> EvaluationReport:
-    """The model in `folder` on the test splits (experiment.final_report). `ood_flag`: fit its OOD flag too and
+                     ood_flag: bool = False) -> tuple[EvaluationReport, dict]:
+    """The model in `folder` on the test splits (experiment.final_report): its report and its test scores per set.
+    `ood_flag`: fit its OOD flag too and
     save the fit into `folder`, which then serves with it (the registered model; the baselines' reports skip
     it: about 30 s each on 2 cores, M3). It scores on the driver's device: its first GPU where it has one (three
     8B models over the test splits on a CPU would take hours)."""
@@ -55,11 +56,11 @@ def evaluate_outcome(shared: SharedStages, outcome: TrialOutcome, folder: Path, 
     info = {"name": f"{student} ({method})", "student": student, "teacher": teacher, "method": method,
             "hyperparameters": {**train_config, **{k: v for k, v in outcome.config.items() if v is not None}},
             "run_id": None}
-    report = final_report(shared, rm, info, eval_batch_size, precision, selection_splits="val", selection=selection,
-                          validation_scores=validation_scores, ood_flag=ood_flag)
+    report, test_scores = final_report(shared, rm, info, eval_batch_size, precision, selection_splits="val",
+                                       selection=selection, validation_scores=validation_scores, ood_flag=ood_flag)
     if rm.density is not None:
         rm.density.save(folder)
-    return report
+    return report, test_scores
 
 
 def _candidate(outcome: TrialOutcome) -> dict:
@@ -179,19 +180,24 @@ def register_selected(shared: SharedStages, cfg: ProtocolConfig, baselines: list
             tempfile.TemporaryDirectory() as tmp:
         runs.set_tags({keys.STAGE_TAG: "final", **shared.tags()})
         train_dict = cfg.student_train.to_dict()
-        reports, folders = {}, {}
+        reports, folders, naive_test = {}, {}, None
         selected_label = f"{outcome_label(selected)} (selected)"
         others = [(outcome_label(b), b) for b in baselines if b.checkpoint_path and b is not selected]
         for label, outcome in [(selected_label, selected)] + others:
             # the registered version's artifact folder is named after this one: "selected", as before
             folder = "selected" if outcome is selected else label.replace(" ", "_")
             folders[label], validation_scores = checkpoint_folder(outcome, Path(tmp) / folder)
-            reports[label] = evaluate_outcome(shared, outcome, folders[label], cfg.student, cfg.teacher,
-                                              cfg.eval_batch_size, train_dict, cfg.precision,
-                                              selection if outcome is selected else None, validation_scores,
-                                              ood_flag=outcome is selected)
+            reports[label], test_scores = evaluate_outcome(shared, outcome, folders[label], cfg.student, cfg.teacher,
+                                                           cfg.eval_batch_size, train_dict, cfg.precision,
+                                                           selection if outcome is selected else None,
+                                                           validation_scores, ood_flag=outcome is selected)
+            if outcome is naive:
+                naive_test = test_scores
         report = reports[selected_label]
         report.model["run_id"] = final_run_id
+        # Before any lambda is read: does this run's naive W2S show the failure ANCHOR targets?
+        report.premise = premise_of(shared, naive_test)
+        log.info("premise: %s", report.premise["summary"])
         comparison = Path(tmp) / "comparison.md"
         comparison.write_text(comparison_table(reports) + "\n")
         chart = nts_lambda_chart(anchor, baselines, Path(tmp) / "nts_vs_lambda.png")
