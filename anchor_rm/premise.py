@@ -153,8 +153,12 @@ def premise_summary(present: bool, absolute: dict, relative: dict | None) -> str
         shares = [f"{name} {t['pgr']:.2f}" + ("" if t["measurable"] else " (no clear ceiling gap)")
                   for name, t in relative["targets"].items()]
         parts.append(f"PGR ID {relative['id_pgr']:.2f} against " + ", ".join(shares))
-    state = "present" if present else "absent"
-    return f"the failure ANCHOR targets is {state} here: " + "; ".join(parts)
+    if present:
+        forms = [name for name, form in (("absolute", absolute), ("relative", relative)) if form and form["present"]]
+        state = f"present here ({' and '.join(forms)} form)"
+    else:
+        state = "absent here (neither form beyond its 95% interval)"
+    return f"the failure ANCHOR targets is {state}: " + "; ".join(parts)
 
 
 def instance_premise(instance: dict, resamples: int = RESAMPLES) -> dict:

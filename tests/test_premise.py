@@ -28,7 +28,7 @@ def test_a_student_that_gains_id_and_loses_ood_shows_the_absolute_form():
     assert check["verdict"] == "present" and check["absolute"]["present"]
     assert check["absolute"]["wrg"] == pytest.approx(10.0) and check["absolute"]["mean_aog"] == pytest.approx(-8.5)
     lo, hi = check["absolute"]["mean_aog_interval"]
-    assert lo < -8.5 < hi < 0 and "is present here" in check["summary"]
+    assert lo < -8.5 < hi < 0 and "is present here (absolute and relative form)" in check["summary"]
 
 
 def test_a_smaller_share_of_the_gap_recovered_ood_is_the_relative_form():
@@ -42,7 +42,7 @@ def test_a_smaller_share_of_the_gap_recovered_ood_is_the_relative_form():
 
 def test_a_student_that_transfers_as_far_as_it_gains_shows_no_failure():
     check = premise_check([_set("src", "id", 60, 70, 80), _set("a", "ood", 60, 70, 80)], ["a"])
-    assert check["verdict"] == "absent" and not check["relative"]["present"] and "is absent here" in check["summary"]
+    assert check["verdict"] == "absent" and not check["relative"]["present"] and "is absent here (neither form beyond its 95% interval)" in check["summary"]
 
 
 def test_a_target_without_a_clear_ceiling_gap_is_not_measured_and_noise_is_no_failure():
