@@ -83,3 +83,49 @@ def evaluate_with_drift(rm: RewardModel, pairs: Sequence[PreferencePair], refere
     meter = DriftMeter(reference, layer_sets)
     score = evaluate_pairs(rm, pairs, batch_size, precision=precision, hidden_states_hook=meter)
     return score, meter.result()
+
+
+# Lambda in drift terms (tune.py): every trial measures its last-layer drift after each epoch on the same fixed
+# pairs of student-train, so that the report can say what share of naive W2S's drift each lambda removed.
+DRIFT_PROBE_PAIRS = 64
+
+
+@dataclass(frozen=True)
+class DriftProbe:
+    """Fixed pairs and the pretrained model's last-layer states on them: what `measure` compares a student with."""
+
+    pairs: list[PreferencePair]
+    reference: ReferenceStates
+    layer: int  # the last layer's index into hidden_states
+
+    def measure(self, rm: RewardModel, *, batch_size: int = 32, precision: str = "auto") -> float:
+        """The student's last-layer drift (mean squared distance per hidden unit, anchored positions) on the probe."""
+        _, drift = evaluate_with_drift(rm, self.pairs, self.reference, {"last": [self.layer]}, batch_size=batch_size,
+                                       precision=precision)
+        return drift["last"].msd
+
+
+def drift_probe(rm: RewardModel, student_train: Sequence[PreferencePair], *, batch_size: int = 32,
+                precision: str = "auto") -> DriftProbe:
+    """The probe on the first DRIFT_PROBE_PAIRS pairs of student-train (a seeded shuffle already), its reference
+    states read from `rm` itself: call it before the student trains, or on a LoRA student at any time (its adapters
+    are switched off for the pass: lora.adapters_off). A sharded student needs every worker to call it."""
+    from contextlib import nullcontext
+
+    from anchor_rm.lora import adapters_off, is_adapted
+
+    pairs = list(student_train[:DRIFT_PROBE_PAIRS])
+    layer = rm.model.config.num_hidden_layers
+    was_training = rm.model.training
+    with torch.no_grad(), (adapters_off(rm.model) if is_adapted(rm.model) else nullcontext()):
+        reference = evaluation_reference(rm.model, rm, pairs, [layer], batch_size=batch_size, precision=precision)
+    rm.model.train(was_training)
+    return DriftProbe(pairs, reference, layer)
+
+
+def drift_reduction(drift: float | None, naive_drift: float | None) -> float | None:
+    """The share of naive W2S's drift a student removed: 1 - drift / naive drift (0: as naive, 1: none left);
+    None where either was not measured or naive did not drift."""
+    if drift is None or naive_drift is None or not naive_drift > 0 or drift != drift:
+        return None
+    return 1.0 - drift / naive_drift

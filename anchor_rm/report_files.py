@@ -187,6 +187,34 @@ def _selection_lines(selection: dict) -> list[str]:
         lines.append(f"- Against naive W2S on validation: mean NTS {selection['selected']['val_mean_nts']:+.2f} vs "
                      f"{selection['naive_val_mean_nts']:+.2f}, difference {selection['difference_from_naive']:+.2f} "
                      f"±{selection['difference_standard_error']:.2f} points: {verdict} from naive W2S.")
+    return lines + _drift_lines(selection)
+
+
+def _drift_lines(selection: dict) -> list[str]:
+    """Lambda in drift terms: the search's range and what each trial removed of naive W2S's last-layer drift."""
+    lines = []
+    if "lambda_range" in selection:
+        lr = selection["lambda_range"]
+        bounds = ", ".join(f"{choice} {lo:.3g}..{hi:.3g}" for choice, (lo, hi) in lr["ranges"].items())
+        how = {"calibrated": f"calibrated for the student from {lr['steps']} naive W2S steps (lambda_balance "
+                             + ", ".join(f"{c} {b:.3g}" for c, b in (lr["balance"] or {}).items()) + " x 1e-2..1e2)",
+               "given": "given (--lambda-range)", "uncalibrated": "not calibrated (a sharded student)"}[lr["method"]]
+        lines.append(f"- Lambda searched over {bounds}: {how}. Lambda does not carry across models or loss "
+                     "definitions; the drift it removes does.")
+    drift = selection.get("drift")
+    if drift and any(row["drift_last"] is not None for row in drift["trials"]):
+        lines += ["", "| trial | lambda | val mean NTS | last-layer drift | naive W2S's drift removed | anchor loss start / end |",
+                  "|---|---|---|---|---|---|"]
+        for row in drift["trials"]:
+            name = (f"ANCHOR {row['anchor_layers']}" if row["method"] == "anchor" else f"{row['method']} W2S")
+            lam = "-" if row["method"] != "anchor" else f"{row['anchor_lambda']:.3g}"
+            nts = "-" if row["val_mean_nts"] is None else f"{row['val_mean_nts']:+.2f}"
+            msd = "-" if row["drift_last"] is None else f"{row['drift_last']:.4g}"
+            removed = "-" if row["drift_reduction"] is None else f"{100 * row['drift_reduction']:.0f}%"
+            scale = ("-" if row["anchor_loss_end"] is None or row["method"] != "anchor"
+                     else f"{row['anchor_loss_start'] or 0:.3g} / {row['anchor_loss_end']:.3g}")
+            lines.append(f"| {name} | {lam} | {nts} | {msd} | {removed} | {scale} |")
+        lines.append("")
     return lines
 
 

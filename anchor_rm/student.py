@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 from typing import Callable, Protocol, Sequence
 
 from anchor_rm.data import PreferencePair
+from anchor_rm.drift import DriftProbe
 from anchor_rm.mlflow_edge import keys
 from anchor_rm.splits import ProtocolSplits
 from anchor_rm.training import StepLog, TrainConfig, TrainResult
@@ -38,11 +39,17 @@ class Validation:
     headline_targets: list[str]  # the OOD targets val/mean_nts averages
     batch_size: int
     precision: str
+    drift_probe: DriftProbe | None = None  # with it, the metrics carry the student's last-layer drift
 
     def measure(self, rm: RewardModel) -> tuple[dict, dict[str, float]]:
-        """(scores per validation set, the validation metrics: accuracy, NTS per target, WRG, mean NTS)."""
+        """(scores per validation set, the validation metrics: accuracy, NTS per target, WRG, mean NTS, and with
+        a drift probe the last-layer drift on its student-train pairs)."""
         scores = evaluate_model(rm, self.splits, "val", self.batch_size, precision=self.precision)
-        return scores, keys.validation_metrics(self.splits.source, self.teacher_val, scores, self.headline_targets)
+        metrics = keys.validation_metrics(self.splits.source, self.teacher_val, scores, self.headline_targets)
+        if self.drift_probe is not None:
+            metrics[keys.DRIFT_METRIC] = self.drift_probe.measure(rm, batch_size=self.batch_size,
+                                                                  precision=self.precision)
+        return scores, metrics
 
 
 @dataclass

@@ -131,6 +131,18 @@ def seed_number(text: str) -> int:
     return value
 
 
+def lambda_range(text: str) -> tuple[float, float]:
+    """argparse type: "LOW,HIGH", two lambdas with 0 < LOW < HIGH."""
+    parts = text.split(",")
+    try:
+        low, high = (float(part) for part in parts)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not LOW,HIGH (two numbers, e.g. 1e-3,1e2)") from None
+    if not 0 < low < high:
+        raise argparse.ArgumentTypeError(f"{text!r}: needs 0 < LOW < HIGH")
+    return low, high
+
+
 def byte_size(text: str) -> int:
     """argparse type: "500MB", "2GB", "1.5GiB" or a number of bytes."""
     import re

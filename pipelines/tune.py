@@ -23,8 +23,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from _common import (  # noqa: E402
     SCALE_FIELDS, add_dry_run_argument, add_precision_argument, add_scale_arguments, add_teacher_labels_argument,
-    apply_shared_flags, byte_size, category_of, clean_errors, memory_plan_or_dry_run, protocol_parser, seed_number,
-    setup_logging)
+    apply_shared_flags, byte_size, category_of, clean_errors, lambda_range, memory_plan_or_dry_run, protocol_parser,
+    seed_number, setup_logging)
 
 
 
@@ -57,6 +57,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--teacher", help="weak teacher: short name, folder or hub id")
     p.add_argument("--seed", type=seed_number, default=0, help="seed of the splits, the models and the search")
     add_precision_argument(p)
+    p.add_argument("--lambda-range", type=lambda_range, metavar="LOW,HIGH",
+                   help="the anchor search's lambda range for both layer choices, e.g. 1e-3,1e2 (default: calibrated "
+                        "for the student from a few naive W2S steps, lambda_balance x 1e-2..1e2: lambda does not "
+                        "carry across models or loss definitions)")
     p.add_argument("--min-gap", type=float, metavar="POINTS",
                    help="stop before the search unless the strong ceiling beats the weak teacher on ID validation by "
                         "this much (default: the preset's, 1 point; the smoke preset does not check)")
@@ -147,7 +151,7 @@ def main(argv=None) -> int:
             registered_name=args.registered_name or default_model_name(cfg.category), num_samples=args.num_samples,
             concurrency=args.concurrency, workers_per_trial=args.workers_per_trial, max_failures=args.max_failures,
             reference_cache=args.reference_cache, reference_cache_budget=args.reference_cache_budget,
-            use_gpu=args.use_gpu, precision=args.precision,
+            use_gpu=args.use_gpu, precision=args.precision, lambda_range=args.lambda_range,
             ray_address=args.ray_address, num_cpus=args.num_cpus, seed=args.seed)
         settings.check_batch(cfg.student_train.batch_size)
         if memory_plan_or_dry_run(cfg, args, device=plan_device(args.use_gpu), workers=args.workers_per_trial,

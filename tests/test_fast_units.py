@@ -26,13 +26,16 @@ def test_the_search_space_never_proposes_naive_w2s_or_a_configuration_twice():
     space (through Ray's OptunaSearch, as Tune asks it) proposes neither, and no configuration twice."""
     import random
 
-    from tuning.space import LAMBDA_RANGE, LAYER_CHOICES, METRIC, make_searcher
+    from tuning.space import LAYER_CHOICES, METRIC, make_searcher
 
-    searcher, rng, seen = make_searcher(seed=0), random.Random(0), set()
+    # Each layer choice searches its own calibrated range (lambda_scale): a middle trial never gets a last one's.
+    ranges = {"last": (1e-3, 1e1), "middle": (1e2, 1e6)}
+    searcher, rng, seen = make_searcher(seed=0, ranges=ranges), random.Random(0), set()
     for i in range(40):
         config = searcher.suggest(f"trial-{i}")
         assert config["method"] == "anchor" and config["anchor_layers"] in LAYER_CHOICES, config
-        assert LAMBDA_RANGE[0] <= config["anchor_lambda"] <= LAMBDA_RANGE[1], config  # never 0
+        low, high = ranges[config["anchor_layers"]]
+        assert low <= config["anchor_lambda"] <= high, config  # never 0
         key = (config["anchor_lambda"], config["anchor_layers"])
         assert key not in seen, (i, key)
         seen.add(key)
@@ -403,14 +406,30 @@ def test_the_ray_token_of_a_local_cluster_is_its_own_and_the_users_is_left_alone
         assert (home / ".ray" / "auth_token").read_text() == "the-users-token"
 
 
-def test_the_nts_lambda_chart_draws_the_anchor_trials_and_the_baselines_as_lines(tmp_path):
-    from tuning.final import nts_lambda_chart, outcome_label
+def test_the_nts_lambda_chart_draws_nts_and_the_drift_removed_against_lambda(tmp_path):
+    """Lambda in drift terms: each trial's drift on the probe beside naive W2S's, as the share it removed (0: as
+    naive, 1: none left, negative: more than naive); a trial that failed is no row; one with no drift measured has
+    no reduction."""
+    from dataclasses import replace
 
-    naive = TrialOutcome("n", {"method": "naive", "anchor_lambda": None, "anchor_layers": None}, 1.0, 60.0, 2, "ckpt")
-    anchor = [_outcome("a", 2.0, lam=1e-3), _outcome("b", math.nan, lam=1e-1), _outcome("c", -1.0, lam=3.0, epochs=1)]
-    path = nts_lambda_chart(anchor, [naive], tmp_path / "chart.png")
+    from tuning.final import drift_rows, nts_lambda_chart, outcome_label
+
+    naive = TrialOutcome("n", {"method": "naive", "anchor_lambda": None, "anchor_layers": None}, 1.0, 60.0, 2, "ckpt",
+                         drift_last=0.04)
+    anchor = [replace(_outcome("a", 2.0, lam=1e-3), drift_last=0.03, anchor_loss_start=1e-4, anchor_loss_end=0.02),
+              replace(_outcome("b", math.nan, lam=1e-1), drift_last=0.01), _outcome("c", -1.0, lam=3.0, epochs=1),
+              replace(_outcome("d", 0.5, lam=10.0), drift_last=0.05), _outcome("e", 9.0, error="RuntimeError: boom")]
+    drift = drift_rows([naive], anchor)
+    by_id = {row["trial_id"]: row for row in drift["trials"]}
+    assert drift["naive_drift_last"] == 0.04 and "e" not in by_id
+    assert by_id["n"]["drift_reduction"] == 0.0 and abs(by_id["a"]["drift_reduction"] - 0.25) < 1e-12
+    assert abs(by_id["d"]["drift_reduction"] + 0.25) < 1e-12 and by_id["c"]["drift_reduction"] is None
+    assert by_id["b"]["val_mean_nts"] is None and by_id["a"]["anchor_loss_end"] == 0.02
+    assert [row["trial_id"] for row in drift["trials"]] == ["n", "a", "b", "c", "d"]  # baselines, then by lambda
+    path = nts_lambda_chart(drift, tmp_path / "chart.png")
     assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert outcome_label(naive) == "naive W2S" and outcome_label(anchor[0]) == "ANCHOR last lambda=0.001"
+    assert drift_rows([], anchor)["trials"][0]["drift_reduction"] is None  # no naive W2S: nothing to compare with
 
 
 def test_a_token_budget_bounds_each_forward_pass_and_keeps_every_sequence_once():

@@ -242,6 +242,19 @@ def test_tune_through_a_killed_worker_a_killed_driver_an_outage_and_a_failing_tr
             assert flag["fit_split"] == "student_train" and flag["threshold_split"].endswith("/val")
             assert [r["dataset"] for r in flag["sets"]] == [row["dataset"] for row in report["splits"]]
             assert flag["sets"][0]["auroc"] is None and all(0 <= r["auroc"] <= 1 for r in flag["sets"][1:])
+            # Lambda in drift terms: the range calibrated for the student (the tune run's tag, read back on --resume),
+            # every finished trial's last-layer drift on the probe, naive W2S's the yardstick.
+            lam = report["selection"]["lambda_range"]
+            assert lam["method"] == "calibrated" and set(lam["ranges"]) == {"last", "middle"}, lam
+            assert json.loads(parent.data.tags["anchor_rm.lambda_range"]) == lam
+            rows = report["selection"]["drift"]["trials"]
+            assert len(rows) == 3 and all(r["drift_last"] > 0 for r in rows), rows
+            assert [r["drift_reduction"] for r in rows if r["method"] == "naive"] == [0.0]
+            (anchored,) = [r for r in rows if r["method"] == "anchor"]
+            low, high = lam["ranges"][anchored["anchor_layers"]]
+            assert low <= anchored["anchor_lambda"] <= high and anchored["anchor_loss_end"] > 0, anchored
+            report_md = Path(client.download_artifacts(version.run_id, "report/report.md", str(tmp_path))).read_text()
+            assert "naive W2S's drift removed" in report_md and "calibrated for the student" in report_md
 
             # 5. Promote (smoke models learn from 48 pairs: the ID gate is the promotion tests' business) and load.
             promoted = run_pipeline("promote.py", "--name", NAME, "--max-id-drop", "100", "--tracking-uri", uri,

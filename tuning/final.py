@@ -11,7 +11,9 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from anchor_rm.config import ProtocolConfig
+from anchor_rm.drift import drift_reduction
 from anchor_rm.experiment import SharedStages, final_report, premise_of
+from anchor_rm.lambda_scale import LambdaRange
 from anchor_rm.metrics import difference_standard_error
 from anchor_rm.mlflow_edge import keys, runs
 from anchor_rm.mlflow_edge.registry import RegisteredVersion, log_and_register
@@ -112,30 +114,54 @@ def comparison_table(reports: dict[str, EvaluationReport]) -> str:
     return "\n".join(lines)
 
 
-def nts_lambda_chart(outcomes: list[TrialOutcome], baselines: list[TrialOutcome], path: Path) -> Path:
-    """Validation mean NTS against lambda, one series per layer choice; the baselines (naive W2S is lambda 0)
-    as horizontal lines."""
+def drift_rows(baselines: list[TrialOutcome], anchor: list[TrialOutcome]) -> dict:
+    """Lambda in drift terms: each trial's last-layer drift on the drift probe after its last epoch, the share of
+    naive W2S's it removed (drift.drift_reduction) and its anchor loss's scale (the report's selection block)."""
+    naive = next((b for b in baselines if b.config.get("method") == "naive"), None)
+    naive_drift = None if naive is None else naive.drift_last
+    rows = [{"trial_id": o.trial_id, **{k: o.config.get(k) for k in ("method", "anchor_lambda", "anchor_layers")},
+             "val_mean_nts": None if math.isnan(o.val_mean_nts) else o.val_mean_nts, "epochs": o.epochs,
+             "drift_last": o.drift_last, "drift_reduction": drift_reduction(o.drift_last, naive_drift),
+             "anchor_loss_start": o.anchor_loss_start, "anchor_loss_end": o.anchor_loss_end,
+             "w2s_loss_end": o.w2s_loss_end}
+            for o in baselines + sorted(anchor, key=lambda o: (str(o.config.get("anchor_layers")),
+                                                               o.config.get("anchor_lambda") or 0.0))
+            if o.error is None]
+    return {"naive_drift_last": naive_drift, "trials": rows}
+
+
+def nts_lambda_chart(drift: dict, path: Path) -> Path:
+    """Validation mean NTS against lambda, one series per layer choice, the baselines (naive W2S is lambda 0) as
+    horizontal lines; below it, on the same lambda axis, the share of naive W2S's last-layer drift each trial
+    removed (`drift`: drift_rows)."""
     import matplotlib
 
     matplotlib.use("Agg")
     from matplotlib.figure import Figure
 
-    fig = Figure(figsize=(7, 4.2))
-    ax = fig.add_subplot()
-    done = [o for o in outcomes if not math.isnan(o.val_mean_nts) and o.config.get("anchor_lambda")]
+    fig = Figure(figsize=(7, 6.4))
+    ax, below = fig.subplots(2, 1, sharex=True, gridspec_kw={"height_ratios": [3, 2]})
+    rows = [r for r in drift["trials"] if r["method"] == "anchor" and r["val_mean_nts"] is not None]
     for layers, marker in (("last", "o"), ("middle", "s")):
-        pts = sorted((o.config["anchor_lambda"], o.val_mean_nts) for o in done if o.config.get("anchor_layers") == layers)
-        if pts:
-            ax.plot([p[0] for p in pts], [p[1] for p in pts], marker=marker, linestyle="-", label=f"ANCHOR {layers}")
-    for b, style in zip(baselines, ("--", ":")):
-        if not math.isnan(b.val_mean_nts):
-            ax.axhline(b.val_mean_nts, linestyle=style, color="grey", label=f"{b.config['method']} W2S")
+        mine = sorted((r for r in rows if r["anchor_layers"] == layers), key=lambda r: r["anchor_lambda"])
+        if not mine:
+            continue
+        ax.plot([r["anchor_lambda"] for r in mine], [r["val_mean_nts"] for r in mine], marker=marker,
+                label=f"ANCHOR {layers}")
+        measured = [r for r in mine if r["drift_reduction"] is not None]
+        below.plot([r["anchor_lambda"] for r in measured], [100 * r["drift_reduction"] for r in measured],
+                   marker=marker, label=f"ANCHOR {layers}")
+    for b, style in zip((r for r in drift["trials"] if r["method"] != "anchor"), ("--", ":")):
+        if b["val_mean_nts"] is not None:
+            ax.axhline(b["val_mean_nts"], linestyle=style, color="grey", label=f"{b['method']} W2S")
     ax.axhline(0, color="black", linewidth=0.5)
+    below.axhline(0, color="grey", linestyle="--", linewidth=0.8)
     ax.set_xscale("log")
-    ax.set_xlabel("anchor lambda")
-    ax.set_ylabel("mean OOD NTS on validation splits (points)")
-    ax.set_title("NTS against lambda per layer choice (early-stopped trials at their last epoch)")
+    ax.set_ylabel("mean OOD NTS on validation (points)")
+    ax.set_title("NTS and drift removed against lambda (early-stopped trials at their last epoch)")
     ax.legend(fontsize=8)
+    below.set_xlabel("anchor lambda")
+    below.set_ylabel("naive W2S's last-layer\ndrift removed (%)")
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     return path
@@ -156,7 +182,7 @@ class FinalResult:
 
 def register_selected(shared: SharedStages, cfg: ProtocolConfig, baselines: list[TrialOutcome],
                       anchor: list[TrialOutcome], registered_name: str, tune_run_id: str,
-                      experiment_id: str) -> FinalResult:
+                      experiment_id: str, lambda_range: LambdaRange | None = None) -> FinalResult:
     """The post-search protocol, in a nested "final-evaluation" run of the active tune run: the best of naive
     W2S and the ANCHOR trials on validation (search.best_trial; the rule and the winner's distance from naive
     W2S go into its report) and the baselines, each evaluated once on the test splits;
@@ -169,6 +195,10 @@ def register_selected(shared: SharedStages, cfg: ProtocolConfig, baselines: list
     selected = best_trial(candidates)
     selection = selection_summary(selected, candidates, naive,
                                   [len(shared.splits.ood[t]["val"]) for t in shared.headline_targets])
+    drift = drift_rows(baselines, anchor)
+    selection["drift"] = drift
+    if lambda_range is not None:
+        selection["lambda_range"] = lambda_range.to_dict()
     verdict = {True: "distinguishable from", False: "not distinguishable from", None: "no comparison with"}
     log.info("selected %s (val mean NTS %+.2f; %s naive W2S on validation)", selected.config,
              selected.val_mean_nts, verdict[selection["distinguishable_from_naive"]])
@@ -200,7 +230,7 @@ def register_selected(shared: SharedStages, cfg: ProtocolConfig, baselines: list
         log.info("premise: %s", report.premise["summary"])
         comparison = Path(tmp) / "comparison.md"
         comparison.write_text(comparison_table(reports) + "\n")
-        chart = nts_lambda_chart(anchor, baselines, Path(tmp) / "nts_vs_lambda.png")
+        chart = nts_lambda_chart(drift, Path(tmp) / "nts_vs_lambda.png")
         trials = outcomes_json(baselines, anchor, Path(tmp) / "trials.json")
         runs.log_report(report)
         version = log_and_register(folders[selected_label], report, registered_name,

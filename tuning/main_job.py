@@ -4,10 +4,11 @@ the final evaluation and registration (tuning/final.py)."""
 
 from __future__ import annotations
 
+import json
 import logging
 import re
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from datetime import datetime
 from pathlib import Path
 
@@ -16,9 +17,11 @@ from anchor_rm.experiment import prepare_shared
 from anchor_rm.mlflow_edge import keys, runs
 from anchor_rm.mlflow_edge.store import configure
 from anchor_rm.mlflow_edge.writer import outage_seconds_from_env
-from anchor_rm.workflow import release_device_memory
+from anchor_rm.lambda_scale import UNCALIBRATED_RANGE, LambdaRange, calibrate_lambda, fixed_range
+from anchor_rm.workflow import load_student, release_device_memory
 from tuning.final import FinalResult, register_selected
 from tuning.search import init_ray, run_search
+from tuning.space import LAYER_CHOICES
 from tuning.trainable import make_payload
 
 log = logging.getLogger("anchor_rm")
@@ -42,6 +45,7 @@ class MainJobSettings:
     reference_cache_budget: int | None = None  # bytes; default a quarter of physical memory
     use_gpu: str = "auto"
     precision: str = "auto"  # what --precision asked for: trials on GPUs resolve it for their own device
+    lambda_range: tuple[float, float] | None = None  # --lambda-range; default calibrated for the student
     ray_address: str | None = None
     num_cpus: int | None = None  # the local cluster's CPUs (default: all of this machine's); not with ray_address
     seed: int = 0
@@ -59,6 +63,8 @@ class MainJobSettings:
                                  "decide (drop one of the two)")
             if self.num_cpus < 1:
                 raise ValueError(f"--num-cpus must be at least 1, not {self.num_cpus}")
+        if self.lambda_range is not None and not 0 < self.lambda_range[0] < self.lambda_range[1]:
+            raise ValueError(f"--lambda-range needs 0 < low < high, not {self.lambda_range[0]:g},{self.lambda_range[1]:g}")
         if self.registered_name and not re.fullmatch(r"[^/:'\"]+", self.registered_name.strip()):
             raise ValueError(f"--registered-name {self.registered_name!r}: MLflow's model names take no /, :, or quotes")
 
@@ -132,6 +138,30 @@ def shared_stages(cfg: ProtocolConfig, experiment_id: str):
     return shared
 
 
+def search_lambda_range(cfg: ProtocolConfig, shared, settings: MainJobSettings, parent_id: str) -> LambdaRange:
+    """The anchor search's lambda range (lambda_scale): --lambda-range when given; on --resume, the range the
+    experiment's search started with (its tune run's tag: Tune restores the searcher with it); else calibrated on
+    the driver's device for the student (a few naive W2S steps of a fresh copy, its memory handed back before Ray
+    starts), except for a sharded student, which the driver cannot hold: the uncalibrated range, with a warning."""
+    if settings.lambda_range is not None:
+        found = fixed_range(LAYER_CHOICES, *settings.lambda_range, "given")
+    elif settings.resume and runs.run_tag(parent_id, keys.LAMBDA_RANGE_TAG):
+        return LambdaRange.from_dict(json.loads(runs.run_tag(parent_id, keys.LAMBDA_RANGE_TAG)))
+    elif cfg.student_train.strategy == "fsdp2":
+        log.warning("lambda range not calibrated: a sharded student does not fit the driver; searching %g..%g, which "
+                    "suits MiniLM-L6, not necessarily %s (give --lambda-range)", *UNCALIBRATED_RANGE, cfg.student)
+        found = fixed_range(LAYER_CHOICES, *UNCALIBRATED_RANGE, "uncalibrated")
+    else:
+        train_cfg = replace(cfg.student_train, precision=cfg.precision)
+        rm = load_student(cfg.student, train_cfg)
+        found = calibrate_lambda(rm, shared.splits.student_train, shared.soft_labels(train_cfg.teacher_labels),
+                                 train_cfg, LAYER_CHOICES, batch_size=cfg.eval_batch_size)
+        del rm
+        release_device_memory()
+    runs.set_tags({keys.LAMBDA_RANGE_TAG: json.dumps(found.to_dict())})
+    return found
+
+
 def run_main_job(cfg: ProtocolConfig, settings: MainJobSettings) -> MainJobResult:
     outage_seconds_from_env()  # a bad value fails here, before any stage runs, not later in every trial
     started = time.perf_counter()
@@ -165,6 +195,7 @@ def run_main_job(cfg: ProtocolConfig, settings: MainJobSettings) -> MainJobResul
         if existing:  # a finished experiment: --resume restores nothing, trains nothing, registers nothing
             log.info("this experiment already registered %s; nothing more to do", existing)
             return MainJobResult(name, None, existing, {"shared": shared_seconds})
+        lambda_range = search_lambda_range(cfg, shared, settings, parent_id)
         init_ray(settings.ray_address, settings.num_cpus)
         payload = make_payload(cfg, shared, tracking_uri=settings.tracking_uri, experiment_id=experiment_id,
                                parent_run_id=parent_id, storage_path=str(storage / name),
@@ -174,13 +205,14 @@ def run_main_job(cfg: ProtocolConfig, settings: MainJobSettings) -> MainJobResul
                                reference_cache_budget=settings.reference_cache_budget, precision=settings.precision)
         search_started = time.perf_counter()
         baselines, anchor = run_search(payload, num_samples=num_samples, concurrency=settings.concurrency,
-                                       resume=settings.resume, seed=settings.seed)
+                                       resume=settings.resume, seed=settings.seed,
+                                       lambda_ranges=lambda_range.ranges)
         search_seconds = time.perf_counter() - search_started
         result = MainJobResult(name, None, None, {"shared": shared_seconds, "search": search_seconds},
                                len(baselines) + len(anchor))
         record_failures(baselines + anchor)
         result.final = register_selected(shared, cfg, baselines, anchor, settings.registered_name, parent_id,
-                                         experiment_id)
+                                         experiment_id, lambda_range)
         runs.set_tags({keys.REGISTERED_TAG: f"{result.final.version.name}/{result.final.version.version}"})
     result.seconds["total"] = time.perf_counter() - started
     return result

@@ -1,8 +1,8 @@
 """The search itself: the baselines and the ANCHOR search as two Tune experiments with the same budget.
 
 - baselines: naive W2S and confidence W2S, every epoch, no early stopping (they are the yardstick);
-- anchor: Optuna over lambda (0 or log-uniform over space.LAMBDA_RANGE, 1e-6..10) and the layer choice,
-  with ASHA.
+- anchor: Optuna over the layer choice and lambda (log-uniform over the run's range per layer choice,
+  lambda_scale.LambdaRange: calibrated for the student), with ASHA.
 
 Both write under <storage>/<name>/ (Tune state in baselines/ and anchor/, Train runs and checkpoints in
 train/), so `--resume` restores each one that did not finish and reuses the
@@ -23,7 +23,7 @@ from anchor_rm.mlflow_edge.writer import OUTAGE_ENV
 from tuning.callbacks import MlflowTrialStatus, ProgressLog
 from tuning.orphans import record_driver, release_orphaned_placement_groups
 from tuning.storage import experiment_filesystem
-from tuning.space import METRIC, make_scheduler, make_searcher
+from tuning.space import DRIFT_RESULT, METRIC, make_scheduler, make_searcher
 from tuning.trainable import DRIVER_RESOURCES, STEP_HOOK_ENV, SharedPayload, trial_driver
 
 log = logging.getLogger("anchor_rm")
@@ -40,6 +40,10 @@ class TrialOutcome:
     epochs: int
     checkpoint_path: str | None
     error: str | None = None
+    drift_last: float | None = None  # last-layer drift on the drift probe after its last epoch
+    anchor_loss_start: float | None = None  # the anchor loss, mean of the trial's first steps
+    anchor_loss_end: float | None = None  # and of its last epoch's last steps
+    w2s_loss_end: float | None = None
 
 
 TRIAL_KEYS = ("method", "anchor_lambda", "anchor_layers")
@@ -61,9 +65,15 @@ def _outcomes(grid) -> list[TrialOutcome]:
             config={k: config.get(k) for k in TRIAL_KEYS},
             val_mean_nts=float(metrics.get(METRIC, float("nan"))), val_id_acc=float(metrics.get("val_id_acc", float("nan"))),
             epochs=int(metrics.get("training_iteration", 0)), checkpoint_path=metrics.get("checkpoint_path"),
-            error=error,
+            error=error, drift_last=_number(metrics.get(DRIFT_RESULT)),
+            anchor_loss_start=_number(metrics.get("anchor_loss_start")),
+            anchor_loss_end=_number(metrics.get("anchor_loss_end")), w2s_loss_end=_number(metrics.get("w2s_loss_end")),
         ))
     return outcomes
+
+
+def _number(value) -> float | None:
+    return None if value is None else float(value)
 
 
 # Tune saves its experiment state (which trials finished) at most every 10 s by default: a driver killed in
@@ -90,9 +100,10 @@ def _tuner(path: Path, trainable, param_space: dict, tune_config: tune.TuneConfi
 
 
 def run_search(payload: SharedPayload, *, num_samples: int, concurrency: int, resume: bool,
-               seed: int) -> tuple[list[TrialOutcome], list[TrialOutcome]]:
+               seed: int, lambda_ranges: dict) -> tuple[list[TrialOutcome], list[TrialOutcome]]:
     """Runs (or resumes) the baselines and the ANCHOR search under payload.storage_path (the experiment's
-    folder); returns (baseline outcomes, anchor outcomes)."""
+    folder), lambda searched over `lambda_ranges` (layer choice -> (low, high)); returns (baseline outcomes,
+    anchor outcomes)."""
     root = Path(payload.storage_path)
     record_driver(root)
     release_orphaned_placement_groups(root)
@@ -108,7 +119,7 @@ def run_search(payload: SharedPayload, *, num_samples: int, concurrency: int, re
     ).fit()
     anchor = _tuner(
         root / "anchor", trainable, {},
-        tune.TuneConfig(search_alg=make_searcher(seed), scheduler=make_scheduler(epochs), num_samples=num_samples,
+        tune.TuneConfig(search_alg=make_searcher(seed, lambda_ranges), scheduler=make_scheduler(epochs), num_samples=num_samples,
                         max_concurrent_trials=concurrency, reuse_actors=False),
         callbacks, resume,
     ).fit()

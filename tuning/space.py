@@ -6,31 +6,35 @@ ASHA can stop weak trials early. Test splits never reach the search.
 
 from __future__ import annotations
 
+import functools
+
 from ray.tune.schedulers import ASHAScheduler
 from ray.tune.search.optuna import OptunaSearch
 
 METRIC = "val_mean_nts"
 MODE = "max"
-# The paper searches 1e-6..1e-1 on Llama/Qwen, whose hidden states are large. MiniLM's are small: its anchor
-# MSE stays around 0.01-0.1 during training, so lambda <= 0.1 barely moves the loss. The range goes to 10.
-LAMBDA_RANGE = (1e-6, 10.0)
+DRIFT_RESULT = "val_drift_last"  # each trial's last-layer drift on the drift probe (drift.DriftProbe), per epoch
 LAYER_CHOICES = ("last", "middle")
 
 
-def anchor_search_space(trial) -> dict:
-    """Optuna define-by-run space: lambda log-uniform over LAMBDA_RANGE, layers last or middle.
+def anchor_search_space(trial, ranges: dict) -> dict:
+    """Optuna define-by-run space: the layer choice (last or middle), then lambda log-uniform over that choice's
+    range (`ranges`: layer choice -> (low, high), lambda_scale.LambdaRange.ranges: calibrated for the student, since
+    lambda does not carry across models). Each choice's lambda is its own Optuna parameter, so that the sampler
+    never mixes the two scales.
 
     lambda = 0 is not in it: that is naive W2S, which the baselines train once, and with lambda = 0 the layer
     choice changes nothing, so a lambda-0 trial would train the same model again (two or three of the five
     students of a default run did). The selection compares the search's trials with naive W2S explicitly
     (search.select)."""
     layers = trial.suggest_categorical("anchor_layers", list(LAYER_CHOICES))
-    lam = trial.suggest_float("anchor_lambda", *LAMBDA_RANGE, log=True)
+    lam = trial.suggest_float(f"anchor_lambda_{layers}", *ranges[layers], log=True)
     return {"method": "anchor", "anchor_lambda": lam, "anchor_layers": layers}
 
 
-def make_searcher(seed: int) -> OptunaSearch:
-    return OptunaSearch(space=anchor_search_space, metric=METRIC, mode=MODE, seed=seed)
+def make_searcher(seed: int, ranges: dict) -> OptunaSearch:
+    return OptunaSearch(space=functools.partial(anchor_search_space, ranges={k: tuple(v) for k, v in ranges.items()}),
+                        metric=METRIC, mode=MODE, seed=seed)
 
 
 def make_scheduler(max_epochs: int) -> ASHAScheduler:

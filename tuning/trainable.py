@@ -19,17 +19,20 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import numpy as np
 import torch
 
 from anchor_rm.config import ProtocolConfig
 from anchor_rm.splits import ProtocolSplits
-from tuning.space import METRIC, trial_method_config
+from tuning.space import DRIFT_RESULT, METRIC, trial_method_config
 from tuning.storage import experiment_filesystem
 
 TRAINING_STATE = "training_state.pt"
 # In each checkpoint: the checkpointed model's scores on every validation set, measured after that epoch
 # (workflow.scores_to_dict). The final evaluation takes them instead of scoring the model on them again.
 VALIDATION_SCORES = "validation_scores.json"
+# The anchor loss's scale is the mean over this many steps: at the trial's start and at the end of each epoch.
+ANCHOR_SCALE_STEPS = 10
 log = logging.getLogger("anchor_rm")
 
 # A function every worker calls after each training step, named by STEP_HOOK_ENV as
@@ -115,6 +118,7 @@ def train_loop_per_worker(config: dict) -> None:
     import ray.train
     import ray.train.torch
 
+    from anchor_rm.drift import drift_probe
     from anchor_rm.lora import ADAPTER_FOLDER
     from anchor_rm.mlflow_edge.writer import BufferedRunWriter
     from anchor_rm.precision import resolve_precision
@@ -130,11 +134,18 @@ def train_loop_per_worker(config: dict) -> None:
     rank = ray.train.get_context().get_world_rank()
     sharded = train_cfg.strategy == "fsdp2"
 
-    start_epoch, optimizer_state, undelivered = 0, None, []
+    start_epoch, optimizer_state, undelivered, state = 0, None, [], {}
     checkpoint = ray.train.get_checkpoint()
+    measures = rank == 0 or sharded  # who runs the validation passes (a sharded forward pass needs every worker)
+
+    def probe(model):  # the drift probe's pretrained states, from `model` before it trains (LoRA: adapters off)
+        return drift_probe(model, payload.splits.student_train, batch_size=cfg.eval_batch_size,
+                           precision=train_cfg.precision) if measures else None
+
     with contextlib.ExitStack() as opened:
         if checkpoint is None:
             rm = load_student(cfg.student, train_cfg, device)
+            pretrained = probe(rm)
         else:  # a restarted worker or a resumed experiment: continue after the last finished epoch
             # Open until training ends: a sharded checkpoint is read once the student is sharded.
             folder = Path(opened.enter_context(checkpoint.as_directory()))
@@ -144,16 +155,24 @@ def train_loop_per_worker(config: dict) -> None:
             if (folder / SHARDED_FOLDER).is_dir():  # FSDP2: the pretrained student, then the shards read into it
                 rm = load_student(cfg.student, train_cfg, device)
                 optimizer_state = {**optimizer_state, "sharded": folder}
+                pretrained = probe(rm)
             elif train_cfg.lora_rank:  # the pretrained base with the checkpoint's adapters
                 rm = load_student(cfg.student, train_cfg, device, adapters=folder / ADAPTER_FOLDER)
-            else:
+                pretrained = probe(rm)
+            else:  # the pretrained student for the probe's states, freed before the checkpoint's is loaded
+                pretrained = probe(load_student(cfg.student, train_cfg, device)) if measures else None
                 rm = load_saved(folder, device=device)
-        _train_trial(payload, config, train_cfg, rm, device, rank, sharded, start_epoch, optimizer_state, undelivered)
+        _train_trial(payload, config, train_cfg, rm, device, rank, sharded, start_epoch, optimizer_state, undelivered,
+                     pretrained, state.get("anchor_loss_start"))
 
 
 def _train_trial(payload: SharedPayload, config: dict, train_cfg, rm, device, rank: int, sharded: bool,
-                 start_epoch: int, optimizer_state: dict | None, undelivered: list) -> None:
-    """One worker's training of the trial, from `start_epoch` (train_loop_per_worker has loaded the student)."""
+                 start_epoch: int, optimizer_state: dict | None, undelivered: list, probe=None,
+                 anchor_loss_start: float | None = None) -> None:
+    """One worker's training of the trial, from `start_epoch` (train_loop_per_worker has loaded the student and
+    measured the drift probe's pretrained states, `probe`). Each epoch reports, beside the validation metrics, the
+    last-layer drift on the probe and the anchor loss's scale: the mean of the trial's first ANCHOR_SCALE_STEPS
+    steps (kept in the checkpoint, so that a resumed trial reports its first epoch's) and of the epoch's last."""
     import resource
 
     import ray.train
@@ -189,15 +208,27 @@ def _train_trial(payload: SharedPayload, config: dict, train_cfg, rm, device, ra
     validation = None
     if rank == 0 or sharded:  # a sharded student's forward pass needs every worker
         validation = Validation(payload.splits, scores_from_dict(payload.teacher_val), payload.headline_targets,
-                                cfg.eval_batch_size, train_cfg.precision)
+                                cfg.eval_batch_size, train_cfg.precision, drift_probe=probe)
 
     step_hook = load_step_hook(os.environ.get(STEP_HOOK_ENV))
+    first_steps, epoch_steps = [], []  # (anchor loss, W2S loss) of the run's first steps and of this epoch's
 
     def after_step(entry) -> None:
+        if len(first_steps) < ANCHOR_SCALE_STEPS:
+            first_steps.append((entry.anchor_loss, entry.w2s_loss))
+        epoch_steps.append((entry.anchor_loss, entry.w2s_loss))
         if step_hook is not None:
             step_hook(entry.step, rank)
 
     def after_epoch(epoch: int, metrics: dict, opt_state: dict, scores: dict | None) -> None:
+        nonlocal anchor_loss_start
+        if anchor_loss_start is None and first_steps:
+            anchor_loss_start = float(np.mean([a for a, _ in first_steps]))
+        last = epoch_steps[-ANCHOR_SCALE_STEPS:]
+        scale = {"anchor_loss_start": anchor_loss_start,
+                 "anchor_loss_end": float(np.mean([a for a, _ in last])) if last else None,
+                 "w2s_loss_end": float(np.mean([w for _, w in last])) if last else None}
+        epoch_steps.clear()
         # This worker's peak resident memory so far, evaluation included (Linux: ru_maxrss in KiB).
         peak_rss_mb = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
         with tempfile.TemporaryDirectory() as tmp:
@@ -211,13 +242,17 @@ def _train_trial(payload: SharedPayload, config: dict, train_cfg, rm, device, ra
                 writer.add({**peak, "worker/tracking_blocked_s": writer.blocked_s}, epoch)
                 save_reward_model(rm, tmp, {"method": train_cfg.method, "teacher": cfg.teacher},
                                   adapters_only=True)  # a LoRA student: adapters and head, merged once when selected
-                torch.save({"epoch": epoch, "optimizer_state": opt_state}, Path(tmp) / TRAINING_STATE)
+                torch.save({"epoch": epoch, "optimizer_state": opt_state, "anchor_loss_start": anchor_loss_start},
+                           Path(tmp) / TRAINING_STATE)
                 if scores is not None:
                     (Path(tmp) / VALIDATION_SCORES).write_text(json.dumps(scores_to_dict(scores)))
                 writer.checkpoint(tmp)  # one attempt to send; what the server did not take travels in the checkpoint
             tune_metrics = {METRIC: metrics.get("val/mean_nts", 0.0), "val_wrg": metrics.get("val/wrg", 0.0),
                             "val_id_acc": metrics.get(f"val/acc/{keys.metric_name(payload.splits.source)}", 0.0),
-                            "epoch": epoch, **{k.replace("/", "_"): v for k, v in peak.items()}}
+                            "epoch": epoch, **{k.replace("/", "_"): v for k, v in peak.items()},
+                            **{k: v for k, v in scale.items() if v is not None}}
+            if keys.DRIFT_METRIC in metrics:
+                tune_metrics[DRIFT_RESULT] = metrics[keys.DRIFT_METRIC]
             keep = rank == 0 or sharded
             ray.train.report(tune_metrics, checkpoint=ray.train.Checkpoint.from_directory(tmp) if keep else None)
 

@@ -26,6 +26,7 @@ PROCESS_GROUP_TAG = "anchor_rm.process_group_backend"  # torch.distributed's bac
 PRECISION_TAG = "anchor_rm.precision"  # the precision a trial's workers resolved for their device (fp32, bf16)
 TUNE_NAME_TAG = "anchor_rm.tune_name"
 REGISTERED_TAG = "anchor_rm.registered_version"
+LAMBDA_RANGE_TAG = "anchor_rm.lambda_range"  # on the tune run: the search's lambda range (lambda_scale), as JSON
 TRIALS_TAG = "anchor_rm.trials"  # on the tune run: how many trials the search ran
 TRIALS_FAILED_TAG = "anchor_rm.trials_failed"  # ... and how many of them failed (tuning/main_job.py)
 CATEGORY_TAG = "anchor_rm.category"
@@ -95,6 +96,10 @@ def score_metrics(prefix: str, scores: Mapping) -> dict[str, float]:
         out[f"{prefix}/acc/{metric_name(name)}"] = s.accuracy
         out[f"{prefix}/n/{metric_name(name)}"] = s.n_pairs
     return out
+
+
+# The student's last-layer drift on the drift probe's student-train pairs after each epoch (drift.DriftProbe).
+DRIFT_METRIC = "val/drift_last"
 
 
 def validation_metrics(source: str, teacher_val: Mapping, student_scores: Mapping,
