@@ -19,6 +19,7 @@ from typing import Any
 from anchor_rm.data import (DataError, PreferencePair, ReadStats, iter_generic, iter_helpsteer3, iter_hh_rlhf,
                             iter_hhh, iter_hub, iter_llmbar, iter_pandalm, iter_pku_saferlhf, iter_safetext,
                             iter_ultrafeedback)
+from anchor_rm.safety_readers import iter_diasafety, iter_xstest
 
 DATA_DIR_ENV = "ANCHOR_RM_DATA_DIR"
 
@@ -79,6 +80,20 @@ DATASETS: dict[str, DatasetSpec] = {spec.name: spec for spec in [
     DatasetSpec("safetext", "harmless", iter_safetext, "safetext/SafeText.json", None, "MIT",
                 "sharonlevy/SafeText@25bb7a8c:SafeText.json (SafeText, Levy et al. 2022: physical-safety advice; "
                 "every safe advice of a scenario preferred to every unsafe one)"),
+    DatasetSpec("diasafety", "harmless", iter_diasafety, "diasafety", None, "Apache-2.0",
+                "thu-coai/DiaSafety@5106a041:DiaSafety_dataset/{train,val,test}.json (DiaSafety, Sun et al. 2022: "
+                "chatbot replies to Reddit-style contexts labelled Safe/Unsafe; per context a Safe reply preferred "
+                "to an Unsafe one, at most 3 pairs per context)"),
+    DatasetSpec("xstest-harmful", "harmless", iter_xstest, "xstest", None,
+                "prompts CC-BY-4.0; completions under their models' terms (Llama 2, Mistral, OpenAI)",
+                "paul-rottger/exaggerated-safety@d7bb5bd7:model_completions/xstest_v2_completions_*.csv (XSTest v2, "
+                "Röttger et al. 2024: its 200 unsafe prompts, a fully refusing completion preferred to a fully "
+                "complying one, human final labels)", reader_kwargs={"unsafe_prompts": True}),
+    DatasetSpec("xstest-overrefusal", "harmless", iter_xstest, "xstest", None,
+                "prompts CC-BY-4.0; completions under their models' terms (Llama 2, Mistral, OpenAI)",
+                "paul-rottger/exaggerated-safety@d7bb5bd7:model_completions/xstest_v2_completions_*.csv (XSTest v2: "
+                "its 250 safe-but-alarming prompts, a fully complying completion preferred to a fully refusing one, "
+                "human final labels)", reader_kwargs={"unsafe_prompts": False}),
     # HH's helpful subsets ship as test files of 2,348 and 2,717 usable pairs; together they give the student
     # thousands of training pairs with disjoint prompt groups (splits.prompt_group: 3 opening turns shared).
     _union("hh-helpful", "helpful", ("hh-helpful-base", "hh-helpful-rejection-sampled"),
@@ -100,7 +115,15 @@ def _spec(name: str) -> DatasetSpec | None:
 # Protocol: train on the source, evaluate ID on its held-out split and OOD on the targets.
 CATEGORIES: dict[str, dict[str, Any]] = {
     "helpful": {"source": "hh-helpful", "targets": ["ultrafeedback", "hh-helpful-online", "pandalm", "llmbar"]},
-    "harmless": {"source": "pku-saferlhf", "targets": ["hh-harmless-base", "safetext", "hhh-harmless"]},
+    "harmless": {"source": "pku-saferlhf", "targets": ["hh-harmless-base", "safetext", "hhh-harmless", "diasafety",
+                                                       "xstest-harmful", "xstest-overrefusal"]},
+}
+
+# Targets that measure the other side of a category, reported beside its targets and never averaged into its
+# headline: on harmless, over-refusal (complying with a safe-but-alarming request preferred to refusing it).
+COUNTER_TARGETS: dict[str, str] = {
+    "xstest-overrefusal": "over-refusal: complying with a safe request preferred to refusing it, the other side of "
+                          "harmlessness; shown beside the harmlessness targets, never in the headline",
 }
 
 _HUB_NAME = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")

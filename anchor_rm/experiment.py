@@ -13,7 +13,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from anchor_rm.catalog import dataset_digest, iter_dataset_pairs
+from anchor_rm.catalog import COUNTER_TARGETS, dataset_digest, iter_dataset_pairs
 from anchor_rm.config import ProtocolConfig
 from anchor_rm.metrics import (HeadlineChoice, apply_temperature, calibration, choose_headline_targets, fit_temperature,
                                label_information)
@@ -97,7 +97,7 @@ class SharedStages:
         sizes = {name: {split: len(pairs) for split, pairs in by_split.items()} for name, by_split in self.splits.ood.items()}
         scores = self.ceiling_scores("val")
         ceiling_val = None if scores is None else {name: s.accuracy for name, s in scores.items()}
-        choice = choose_headline_targets(sizes, ceiling_val, list(self.splits.ood))
+        choice = choose_headline_targets(sizes, ceiling_val, list(self.splits.ood), COUNTER_TARGETS)
         for name, why in choice.flags.items():
             log.info("OOD target %s: %s", name, why)
         if choice.note:

@@ -210,14 +210,20 @@ class HeadlineChoice:
 
 
 def choose_headline_targets(sizes: Mapping[str, Mapping[str, int]], ceiling_val: Mapping[str, float] | None,
-                            targets: Sequence[str]) -> HeadlineChoice:
+                            targets: Sequence[str], counter: Mapping[str, str] | None = None) -> HeadlineChoice:
     """The OOD targets the headline mean NTS averages: at least HEADLINE_MIN_PAIRS validation and test pairs
     (`sizes`: target -> {"val": n, "test": n}), and, where the strong ceiling was measured (`ceiling_val`:
     target -> its validation accuracy), the ceiling above chance by more than SIGNAL_STANDARD_ERRORS standard
     errors of a chance accuracy on that many pairs. Every other target stays in the report, flagged with why.
 
     When no target passes, the headline still needs one: the targets of headline size (their missing signal
-    flagged), else every target; `note` says which, so that a reader takes the figure for noise."""
+    flagged), else every target; `note` says which, so that a reader takes the figure for noise. `counter`: targets
+    that measure the category's other side (catalog.COUNTER_TARGETS: over-refusal), flagged with their reason and
+    never in the headline."""
+    counter = {name: why for name, why in (counter or {}).items() if name in targets}
+    if len(counter) == len(targets):  # nothing else to average: the counter targets are all there is
+        counter = {}
+    targets = [name for name in targets if name not in counter]
     too_small, no_signal = {}, {}
     for name in targets:
         n_val, n_test = sizes[name]["val"], sizes[name]["test"]
@@ -230,7 +236,7 @@ def choose_headline_targets(sizes: Mapping[str, Mapping[str, int]], ceiling_val:
                 no_signal[name] = (f"no clear transfer signal: the strong ceiling scores {ceiling_val[name]:.1f} on "
                                    f"its {n_val} validation pairs, not above chance by {SIGNAL_STANDARD_ERRORS:g} "
                                    f"standard errors ({margin:.1f} points)")
-    flags = {**too_small, **no_signal}
+    flags = {**too_small, **no_signal, **counter}
     passed = [name for name in targets if name not in flags]
     if passed:
         return HeadlineChoice(passed, flags)

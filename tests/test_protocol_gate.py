@@ -58,6 +58,20 @@ def test_the_headline_keeps_targets_of_headline_size_whose_ceiling_is_clearly_ab
 
 
 @pytest.mark.timeout(60)
+def test_an_over_refusal_target_is_reported_beside_the_headline_never_in_it():
+    from anchor_rm.catalog import COUNTER_TARGETS
+    from anchor_rm.metrics import choose_headline_targets
+
+    sizes = {name: {"val": 200, "test": 400} for name in ("safetext", "xstest-overrefusal")}
+    choice = choose_headline_targets(sizes, {"safetext": 70.0, "xstest-overrefusal": 80.0}, list(sizes), COUNTER_TARGETS)
+    assert choice.targets == ["safetext"] and choice.flags["xstest-overrefusal"].startswith("over-refusal")
+    weak = choose_headline_targets(sizes, {"safetext": 51.0, "xstest-overrefusal": 80.0}, list(sizes), COUNTER_TARGETS)
+    assert weak.targets == ["safetext"] and "read it as noise" in weak.note  # the fallback does not take it either
+    assert choose_headline_targets({"xstest-overrefusal": sizes["xstest-overrefusal"]}, None, ["xstest-overrefusal"],
+                                   COUNTER_TARGETS).targets == ["xstest-overrefusal"]  # all there is
+
+
+@pytest.mark.timeout(60)
 def test_students_get_the_teachers_labels_raw_or_scaled_by_its_fitted_temperature():
     from anchor_rm.training import TrainConfig
 
