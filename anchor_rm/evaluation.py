@@ -80,17 +80,18 @@ def load_evaluation_set(name: str, *, prompt_column: str = "prompt", chosen_colu
 
 def score_sets(student: RewardModel, sets: Sequence[EvaluationSet], *, teacher: RewardModel | None = None,
                id_name: str | None = None, batch_size: int = 32,
-               precision: str = "auto") -> tuple[list[SplitResult], list[FlaggedSet]]:
+               precision: str = "auto") -> tuple[list[SplitResult], list[FlaggedSet], dict[str, tuple]]:
     """One report row per data set: the student's accuracy, the teacher's beside it when there is one.
     `id_name` marks the in-distribution set (role "id"); every other set is "ood". And where the student has an
-    OOD flag (anchor_rm/ood_flag.py), each set as the flag saw it, from the same pass (else an empty list)."""
+    OOD flag (anchor_rm/ood_flag.py), each set as the flag saw it, from the same pass (else an empty list). Last,
+    per set, which pairs the student and the teacher (None without one) rank right (SplitScore.correct)."""
     names = [s.name for s in sets]
     repeated = sorted({n for n in names if names.count(n) > 1})
     if repeated:
         raise ValueError(f"data sets must be distinct, repeated: {repeated}")
     if id_name is not None and id_name not in names:
         raise ValueError(f"the ID data set {id_name!r} is not among the data sets {names}")
-    rows, flagged = [], []
+    rows, flagged, correct = [], [], {}
     for s in sets:
         try:
             scored, ood = evaluate_pairs_with_ood(student, s.pairs, batch_size, precision=precision)
@@ -105,7 +106,28 @@ def score_sets(student: RewardModel, sets: Sequence[EvaluationSet], *, teacher: 
         ))
         if ood is not None:
             flagged.append(flagged_set(s.name, rows[-1].role, scored, ood))
-    return rows, flagged
+        correct[s.name] = (scored.correct, None if teacher_scored is None else teacher_scored.correct)
+    return rows, flagged, correct
+
+
+def evaluation_premise(rows: list[SplitResult], correct: dict[str, tuple], method: str | None) -> dict:
+    """The premise check (anchor_rm/premise.py) of the evaluated model on these sets: does it gain on the ID set
+    over its teacher while losing on the OOD sets (the absolute form; without a ceiling, the relative form is not
+    measured)? Over-refusal sets (catalog.COUNTER_TARGETS) stay out of the OOD mean. Needs a teacher and --id."""
+    from anchor_rm.catalog import COUNTER_TARGETS
+    from anchor_rm.premise import SetCorrectness, jsonable, not_measured, premise_check
+
+    if not any(row.role == "id" for row in rows):
+        return not_measured("no ID set (--id names one)")
+    if any(teacher is None for _, teacher in correct.values()):
+        return not_measured("no teacher to compare with (--teacher names one)")
+    ood = [row.dataset for row in rows if row.role == "ood" and row.dataset not in COUNTER_TARGETS]
+    if not ood:
+        return not_measured("no OOD set beside the ID set")
+    sets = [SetCorrectness.from_strings(row.dataset, row.role, correct[row.dataset][1], correct[row.dataset][0])
+            for row in rows if row.role == "id" or row.dataset in ood]
+    subject = "the evaluated model" + (f" ({method})" if method else "")
+    return jsonable(premise_check(sets, ood, subject=subject))
 
 
 def evaluation_report(model_info: dict[str, Any], rows: list[SplitResult], sets: Sequence[EvaluationSet],
@@ -222,15 +244,18 @@ def evaluate_and_record(sets: Sequence[EvaluationSet], model_uri: str, *, teache
             device = training_device()  # this process's first GPU where it has one, else its CPU
             student_rm = load_saved(model.folder, max_length, device=device)
             teacher_rm = load_saved(teacher.folder, max_length, device=device) if teacher else None
-            rows, flagged = score_sets(student_rm, sets, teacher=teacher_rm, id_name=id_name, batch_size=batch_size,
-                                       precision=precision)
+            rows, flagged, correct = score_sets(student_rm, sets, teacher=teacher_rm, id_name=id_name,
+                                                batch_size=batch_size, precision=precision)
             # Against the ID validation responses stored with the fit: any set's AUROC, with or without --id.
             flag_block = measure_sets(student_rm.density, flagged) if flagged else None
 
         run_context = runs.start_run(experiment_id=experiment_id, run_name=f"evaluate {model.name}") if log_run \
             else nullcontext()
         with run_context as run_id:
-            report = evaluation_report(model_info(model, teacher, run_id, precision), rows, sets, ood_flag=flag_block)
+            info = model_info(model, teacher, run_id, precision)
+            report = evaluation_report(info, rows, sets, ood_flag=flag_block)
+            report.premise = evaluation_premise(rows, correct, info.get("method"))
+            log.info("premise: %s", report.premise["summary"])
             paths = write_report(report, out)
             if run_id is not None:
                 runs.set_tags(run_tags(model, teacher))

@@ -268,7 +268,8 @@ def premise_of(shared: SharedStages, naive_test: dict | None) -> dict:
     scores per set (workflow.SplitScore) beside the teacher's and the ceiling's on the same pairs; "not measured",
     saying why, where it cannot be read (no naive W2S in the run, scores without per-pair results)."""
     if naive_test is None:
-        return not_measured("no naive W2S student was trained in this run (tune.py trains one; train.py --method naive)")
+        return not_measured("no naive W2S student was trained in this run (tune.py trains one; train.py trains one "
+                            "unless --no-premise)")
     source, headline = shared.splits.source, shared.headline_targets
     teacher, ceiling = shared.teacher_scores("test"), shared.ceiling_scores("test")
     try:
@@ -323,9 +324,41 @@ def final_report(shared: SharedStages, rm: RewardModel, model_info: dict, eval_b
     return report, student
 
 
-def run_student(cfg: ProtocolConfig, shared: SharedStages, train_cfg: TrainConfig, run_name: str | None = None) -> tuple[str, EvaluationReport]:
+NAIVE_STAGE = "naive"
+
+
+def naive_test_scores(cfg: ProtocolConfig, shared: SharedStages, train_cfg: TrainConfig, experiment_id: str) -> dict:
+    """Naive W2S with `train_cfg`'s settings (method naive, lambda 0), trained once per inputs (a stage run keyed by
+    the data, the teacher run and the settings; read back after): its test scores per set (workflow.SplitScore).
+    What the premise check reads where the run's own student is another method."""
+    naive = TrainConfig(**{**train_cfg.to_dict(), "method": "naive", "anchor_lambda": 0.0})
+    key = cache_key(STAGE_VERSION, NAIVE_STAGE, shared.data.outputs["digests"], shared.teacher.run_id, cfg.student,
+                    naive.key_dict(), cfg.eval_batch_size, cfg.precision)
+
+    def compute() -> dict:
+        log.info("premise: training naive W2S with the same settings, to check against (once per inputs)")
+        rm = load_student(cfg.student, naive)
+        train_student(rm, shared.splits.student_train, shared.soft_labels(naive.teacher_labels), naive, ActiveRunSink())
+        scores = evaluate_model(rm, shared.splits, "test", cfg.eval_batch_size, precision=cfg.precision)
+        runs.log_metrics(keys.score_metrics("test", scores))
+        return {"test": scores_to_dict(scores)}
+
+    run = stage_run(experiment_id, NAIVE_STAGE, key, compute, params={"student": cfg.student, "train": naive.to_dict()},
+                    tags={keys.METHOD_TAG: "naive", **shared.tags()})
+    if run.reused:
+        log.info("premise: reusing naive W2S run %s (same inputs)", run.run_id)
+    return scores_from_dict(run.outputs["test"])
+
+
+def run_student(cfg: ProtocolConfig, shared: SharedStages, train_cfg: TrainConfig, run_name: str | None = None, *,
+                experiment_id: str | None = None) -> tuple[str, EvaluationReport]:
     """A full student run in its own MLflow run: train (validation after each epoch), report on test, log the
-    model and the report. Returns (run id, report)."""
+    model and the report. Returns (run id, report). The report's premise check reads naive W2S: this student when
+    it is naive W2S, else (with `experiment_id`) naive W2S trained with the same settings beside it, once per inputs
+    (naive_test_scores); without `experiment_id`, the premise is not measured."""
+    naive_test = None
+    if train_cfg.method != "naive" and experiment_id is not None:
+        naive_test = naive_test_scores(cfg, shared, train_cfg, experiment_id)
     with runs.start_run(run_name=run_name or train_cfg.method) as run_id:
         runs.set_tags({keys.STAGE_TAG: "student", keys.METHOD_TAG: train_cfg.method, **shared.tags()})
         runs.log_params({"student": cfg.student, "teacher": cfg.teacher, "source": cfg.source,
@@ -349,7 +382,7 @@ def run_student(cfg: ProtocolConfig, shared: SharedStages, train_cfg: TrainConfi
                 "method": train_cfg.method, "hyperparameters": train_cfg.to_dict(), "run_id": run_id}
         report, test_scores = final_report(shared, rm, info, cfg.eval_batch_size, cfg.precision,
                                            validation_scores=trained.validation_scores, ood_flag=True)
-        report.premise = premise_of(shared, test_scores if train_cfg.method == "naive" else None)
+        report.premise = premise_of(shared, test_scores if train_cfg.method == "naive" else naive_test)
         log.info("premise: %s", report.premise["summary"])
         runs.log_report(report)
         runs.log_reward_model(rm, {"method": train_cfg.method, "teacher": cfg.teacher})

@@ -53,10 +53,11 @@ def _interval(samples: np.ndarray) -> list[float]:
 
 
 def premise_check(sets: list[SetCorrectness], headline: list[str], *, drift: list[tuple[float, float]] | None = None,
-                  resamples: int = RESAMPLES, seed: int = 0) -> dict:
+                  resamples: int = RESAMPLES, seed: int = 0, subject: str = "naive W2S") -> dict:
     """The premise check of one run (module docstring). `sets`: the ID test set and the OOD test sets; `headline`:
-    the OOD targets the mean AOG averages; `drift`: (drift, OOD drop) of each of the run's models, where measured.
-    Accuracies in points."""
+    the OOD targets the mean AOG averages; `drift`: (drift, OOD drop) of each of the run's models, where measured;
+    `subject`: what the summary calls the model checked (evaluate.py checks the model it evaluates). Accuracies in
+    points."""
     rng = np.random.default_rng(seed)
     by_name = {s.dataset: s for s in sets}
     id_set = next((s for s in sets if s.role == "id"), None)
@@ -125,7 +126,7 @@ def premise_check(sets: list[SetCorrectness], headline: list[str], *, drift: lis
     present = absolute["present"] or bool(relative and relative["present"])
     return {"verdict": "present" if present else "absent", "resamples": resamples, "headline_targets": list(headline),
             "absolute": absolute, "relative": relative, "frozen_end": frozen, "drift": drift_block,
-            "summary": premise_summary(present, absolute, relative)}
+            "summary": premise_summary(present, absolute, relative, subject)}
 
 
 def not_measured(why: str) -> dict:
@@ -144,10 +145,10 @@ def jsonable(value):
     return value
 
 
-def premise_summary(present: bool, absolute: dict, relative: dict | None) -> str:
+def premise_summary(present: bool, absolute: dict, relative: dict | None, subject: str = "naive W2S") -> str:
     """One line: the verdict and the numbers behind it."""
     a = absolute
-    parts = [f"naive W2S WRG {a['wrg']:+.1f} [{a['wrg_interval'][0]:+.1f}, {a['wrg_interval'][1]:+.1f}], mean AOG "
+    parts = [f"{subject} WRG {a['wrg']:+.1f} [{a['wrg_interval'][0]:+.1f}, {a['wrg_interval'][1]:+.1f}], mean AOG "
              f"{a['mean_aog']:+.1f} [{a['mean_aog_interval'][0]:+.1f}, {a['mean_aog_interval'][1]:+.1f}]"]
     if relative is not None:
         shares = [f"{name} {t['pgr']:.2f}" + ("" if t["measurable"] else " (no clear ceiling gap)")

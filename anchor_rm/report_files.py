@@ -150,10 +150,7 @@ def _protocol_summary(report: EvaluationReport) -> list[str]:
             lines.append(f"- The labels the students learn from ({s['n_pairs']} student-train pairs): "
                          f"{s['information_nats']:.4f} nats per pair raw{scaled}, of ln 2 = 0.693 for hard labels "
                          f"(0: no information); right on {s['accuracy']:.1f}% of them (gold)")
-    if report.premise is not None:
-        lines.append(f"- **Does the failure ANCHOR targets happen here?** {report.premise['summary']} (anchor_rm/premise.py: "
-                     "absolute, WRG > 0 with mean AOG < 0; relative, a smaller share of the teacher-to-ceiling gap "
-                     "recovered OOD than ID; each beyond its 95% paired-bootstrap interval)")
+    lines += _premise_lines(report)
     if report.selection is not None:
         lines += _selection_lines(report.selection)
     if report.validation is not None:
@@ -162,6 +159,14 @@ def _protocol_summary(report: EvaluationReport) -> list[str]:
                      f"{val_id.student_accuracy:.1f}, teacher {val_id.teacher_accuracy:.1f} (n={val_id.n_pairs}); "
                      f"WRG {report.validation['wrg']:+.1f}, mean NTS {report.validation['mean_nts']:+.1f} points")
     return lines
+
+
+def _premise_lines(report: EvaluationReport) -> list[str]:
+    if report.premise is None:
+        return []
+    return [f"- **Does the failure ANCHOR targets happen here?** {report.premise['summary']} (anchor_rm/premise.py: "
+            "absolute, WRG > 0 with mean AOG < 0; relative, a smaller share of the teacher-to-ceiling gap recovered "
+            "OOD than ID; each beyond its 95% paired-bootstrap interval)"]
 
 
 def _candidate_text(candidate: dict) -> str:
@@ -233,6 +238,7 @@ def _evaluation_summary(report: EvaluationReport) -> list[str]:
         lines.append(f"- Mean NTS over {len(report.nts)} OOD targets: {report.mean_nts:+.1f} points")
     if report.wrg is not None:
         lines.append(f"- PGR (ID): {_pgr_text(report)}")
+    lines += _premise_lines(report)
     if report.figure_splits == "all":
         lines.append("- Data: every row is a whole data set as given (`all`), not a held-out split: a model "
                      "trained or tuned on part of a data set is scored on those pairs too.")

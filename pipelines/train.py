@@ -55,6 +55,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help="stop before training the student unless the strong ceiling beats the weak teacher on ID "
                         "validation by this much (default: the preset's, 1 point; smoke: no check)")
     p.add_argument("--no-ceiling", action="store_true", help="skip the strong ceiling (no PGR in the report)")
+    p.add_argument("--no-premise", action="store_true",
+                   help="with a method other than naive, do not train naive W2S beside it for the report's premise "
+                        "check (does the failure ANCHOR targets happen here?); by default it trains once per inputs "
+                        "and is read back after")
     p.add_argument("--tracking-uri", help="MLflow tracking URI (default: $MLFLOW_TRACKING_URI, else sqlite:///mlflow.db here)")
     p.add_argument("--experiment", help="MLflow experiment name (default: anchor-rm-<category>)")
     p.add_argument("--verbose", action="store_true")
@@ -97,7 +101,8 @@ def main(argv=None) -> int:
         log.info("shared stages ready after %.0f s", time.perf_counter() - started)
         if cfg.min_gap is not None:
             shared.check_gap(cfg.min_gap)
-        run_id, report = run_student(cfg, shared, cfg.student_train)
+        run_id, report = run_student(cfg, shared, cfg.student_train,
+                                     experiment_id=None if args.no_premise else experiment_id)
         print(report_to_markdown(report))
         print(f"\nstudent run: {run_id}   (wall time {time.perf_counter() - started:.0f} s)")
         print(f"report: runs:/{run_id}/report/report.md")

@@ -315,14 +315,14 @@ def test_argument_mistakes(student_folder, tmp_path, capsys):
 # The library functions.
 
 def test_score_sets_marks_the_id_set_and_matches_evaluate_pairs(tiny_bert, minilm_tokenizer, tmp_path):
-    from anchor_rm.evaluation import evaluation_report, load_evaluation_set, score_sets
+    from anchor_rm.evaluation import evaluation_premise, evaluation_report, load_evaluation_set, score_sets
     from anchor_rm.report_files import read_report, write_report
     from anchor_rm.workflow import evaluate_pairs
 
     student = reward_model(tiny_bert(0), minilm_tokenizer, "s")
     teacher = reward_model(tiny_bert(1), minilm_tokenizer, "t")
     sets = [load_evaluation_set(str(write_pairs(tmp_path / "a.jsonl"))), load_evaluation_set("hhh-harmless")]
-    rows, flagged = score_sets(student, sets, teacher=teacher, id_name=sets[0].name)
+    rows, flagged, correct = score_sets(student, sets, teacher=teacher, id_name=sets[0].name)
     assert [r.role for r in rows] == ["id", "ood"] and flagged == []  # no OOD flag fitted: none measured
     for row, s in zip(rows, sets):
         assert row.student_accuracy == evaluate_pairs(student, s.pairs).accuracy
@@ -330,8 +330,18 @@ def test_score_sets_marks_the_id_set_and_matches_evaluate_pairs(tiny_bert, minil
     info = {"name": "m", "student": "s", "teacher": "t", "method": "anchor", "hyperparameters": {}}
     report = evaluation_report(info, rows, sets)
     assert report.wrg == rows[0].student_accuracy - rows[0].teacher_accuracy and report.mean_nts is not None
+    # The premise check of the evaluated model, from the same pass: its WRG and mean AOG are the report's.
+    report.premise = evaluation_premise(rows, correct, "anchor")
+    assert report.premise["verdict"] in ("present", "absent") and report.premise["relative"] is None  # no ceiling
+    assert report.premise["absolute"]["wrg"] == pytest.approx(report.wrg)
+    assert report.premise["summary"].split(": ")[1].startswith("the evaluated model (anchor) WRG")
     write_report(report, tmp_path / "r")
     assert read_report(tmp_path / "r") == report
+    assert "Does the failure ANCHOR targets happen here?" in (tmp_path / "r" / "report.md").read_text()
+    no_teacher = score_sets(student, sets, id_name=sets[0].name)
+    assert evaluation_premise(no_teacher[0], no_teacher[2], None)["verdict"] == "not measured"
+    no_id = score_sets(student, sets, teacher=teacher)
+    assert "no ID set" in evaluation_premise(no_id[0], no_id[2], None)["summary"]
     with pytest.raises(ValueError, match="'nope' is not among the data sets"):
         score_sets(student, sets, id_name="nope")
 
@@ -340,7 +350,7 @@ def test_score_sets_marks_the_id_set_and_matches_evaluate_pairs(tiny_bert, minil
     from anchor_rm.workflow import fit_ood_flag
 
     fit_ood_flag(student, sets[0].pairs, sets[0].pairs[:10], fit_split="student_train", threshold_split="a/val")
-    flagged_rows, flagged = score_sets(student, sets, teacher=teacher, id_name=sets[0].name)
+    flagged_rows, flagged, _ = score_sets(student, sets, teacher=teacher, id_name=sets[0].name)
     assert flagged_rows == rows and [f.dataset for f in flagged] == [s.name for s in sets]
     block = measure_sets(student.density, flagged)
     assert block["auroc_reference"] == "a/val (stored with the fit)" and all(r["auroc"] is not None for r in block["sets"])

@@ -33,8 +33,11 @@ def test_smoke_run_is_fully_recorded_on_a_tracking_server(tmp_path):
         mlflow.set_tracking_uri(uri)
         client = MlflowClient(uri)
         stages = _runs_by_stage(client, "anchor-rm-helpful")
-        # data, teacher and ceiling once each, shared by both students
-        assert {k: len(v) for k, v in stages.items()} == {"data": 1, "teacher": 1, "ceiling": 1, "student": 2}
+        # data, teacher and ceiling once each, shared by both students; naive W2S once more, for the ANCHOR
+        # student's premise check (a stage keyed by its inputs)
+        assert {k: len(v) for k, v in stages.items()} == {"data": 1, "teacher": 1, "ceiling": 1, "student": 2,
+                                                           "naive": 1}
+        assert "premise: training naive W2S with the same settings" in first.stderr
         student = next(r for r in stages["student"] if r.data.tags["anchor_rm.method"] == "anchor")
         assert student.data.tags["anchor_rm.teacher_run"] == stages["teacher"][0].info.run_id
         assert student.data.tags["anchor_rm.data_run"] == stages["data"][0].info.run_id
@@ -52,6 +55,8 @@ def test_smoke_run_is_fully_recorded_on_a_tracking_server(tmp_path):
         local = Path(mlflow.artifacts.download_artifacts(run_id=student.info.run_id, dst_path=str(tmp_path / "dl")))
         report = json.loads((local / "report" / "report.json").read_text())
         assert report["model"]["method"] == "anchor" and report["figure_splits"] == "test"
+        assert report["premise"]["verdict"] in ("present", "absent"), report["premise"]  # read off the naive stage
+        assert report["premise"]["relative"] is not None  # with the ceiling: both forms
         # PGR is logged whenever the report has one; it has none when the ceiling ties the teacher on ID test
         # (the smoke set is small: in fp32 on an AVX2 CPU they tied), where the ratio is undefined.
         if report["pgr"] is None:
