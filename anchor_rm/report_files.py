@@ -201,8 +201,8 @@ def _drift_lines(selection: dict) -> list[str]:
     if "lambda_range" in selection:
         lr = selection["lambda_range"]
         bounds = ", ".join(f"{choice} {lo:.3g}..{hi:.3g}" for choice, (lo, hi) in lr["ranges"].items())
-        how = {"calibrated": f"calibrated for the student from {lr['steps']} naive W2S steps (lambda_balance "
-                             + ", ".join(f"{c} {b:.3g}" for c, b in (lr["balance"] or {}).items()) + " x 1e-2..1e2)",
+        how = {"calibrated": f"calibrated for the student after {lr['steps']} naive W2S steps (lambda_grad "
+                             + ", ".join(f"{c} {b:.3g}" for c, b in (lr["lambda_grad"] or {}).items()) + " x 1e-4..1)",
                "given": "given (--lambda-range)", "uncalibrated": "not calibrated (a sharded student)"}[lr["method"]]
         lines.append(f"- Lambda searched over {bounds}: {how}. Lambda does not carry across models or loss "
                      "definitions; the drift it removes does.")

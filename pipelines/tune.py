@@ -59,7 +59,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_precision_argument(p)
     p.add_argument("--lambda-range", type=lambda_range, metavar="LOW,HIGH",
                    help="the anchor search's lambda range for both layer choices, e.g. 1e-3,1e2 (default: calibrated "
-                        "for the student from a few naive W2S steps, lambda_balance x 1e-2..1e2: lambda does not "
+                        "for the student after a few naive W2S steps, lambda_grad x 1e-4..1: lambda does not "
                         "carry across models or loss definitions)")
     p.add_argument("--min-gap", type=float, metavar="POINTS",
                    help="stop before the search unless the strong ceiling beats the weak teacher on ID validation by "

@@ -27,17 +27,22 @@ def _config(**kw):
                           **kw})
 
 
-def test_the_calibration_spans_lambda_balance_per_layer_choice_and_leaves_the_pretrained_states_as_reference(
-        minilm_tokenizer):
-    rm, pairs = tiny_reward_model(minilm_tokenizer), _pairs()
-    found = calibrate_lambda(rm, pairs, [0.9] * len(pairs), _config(), ["last", "middle"], steps=4)
-    assert found.method == "calibrated" and found.steps == 4 and set(found.ranges) == {"last", "middle"}
+def test_the_calibration_spans_lambda_grad_per_layer_choice_and_follows_the_w2s_push(minilm_tokenizer):
+    """lambda_grad = |grad W2S| / |grad anchor| on one batch: labels further from what the student says push harder,
+    so the same student after the same steps gets a larger lambda_grad from q = 0.95 than from q = 0.55."""
+    found = {}
+    for q in (0.55, 0.95):
+        rm, pairs = tiny_reward_model(minilm_tokenizer), _pairs()
+        found[q] = calibrate_lambda(rm, pairs, [q] * len(pairs), _config(), ["last", "middle"], steps=4)
+    calibrated = found[0.95]
+    assert calibrated.method == "calibrated" and calibrated.steps == 4 and set(calibrated.ranges) == {"last", "middle"}
     for choice in ("last", "middle"):
-        assert found.drift[choice] > 0  # it trained, so it drifted from the states it started with
-        assert found.balance[choice] == pytest.approx(found.w2s_loss / found.drift[choice])
-        assert found.ranges[choice] == pytest.approx((found.balance[choice] * SPAN[0], found.balance[choice] * SPAN[1]))
-    assert LambdaRange.from_dict(found.to_dict()) == found  # what the tune run's tag carries back on --resume
-    assert "lambda_balance" in found.describe()
+        assert calibrated.drift[choice] > 0  # it trained, so it drifted from the states it started with
+        grad = calibrated.lambda_grad[choice]
+        assert calibrated.ranges[choice] == pytest.approx((grad * SPAN[0], grad * SPAN[1]))
+        assert grad > found[0.55].lambda_grad[choice] > 0
+    assert LambdaRange.from_dict(calibrated.to_dict()) == calibrated  # what the tune run's tag carries back on --resume
+    assert "lambda_grad" in calibrated.describe()
 
 
 def test_a_given_range_is_checked():
