@@ -108,7 +108,7 @@ def _row_flag(report: EvaluationReport, dataset: str) -> str:
     why = report.target_flags.get(dataset)
     if why is None:  # a report written before flags were kept: the only reason then was the ceiling
         return " (no signal)" if left_out else ""
-    kind = "too small" if why.startswith("too small") else "no clear signal"
+    kind = next((kind for kind in ("too small", "over-refusal") if why.startswith(kind)), "no clear signal")
     return f" (left out: {kind})" if left_out else f" (flagged: {kind})"
 
 

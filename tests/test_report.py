@@ -478,6 +478,10 @@ def test_target_flags_are_kept_rendered_and_checked(tmp_path):
     text = report_to_markdown(noted)
     assert "**Headline fallback**: read it as noise." in text and "(flagged: no clear signal)" in text
     assert "`ultrafeedback` kept in the mean NTS, no clear transfer signal" in text
+    over = build_report(MODEL_INFO, split_rows(), selection_splits="val", figure_splits="test",
+                        headline_targets=["ultrafeedback"],
+                        target_flags={"hh-helpful-online": "over-refusal: complying with a safe request preferred"})
+    assert "(left out: over-refusal) |" in report_to_markdown(over)  # its own reason, not "no clear signal"
     raw = json.loads(paths["json"].read_text())
     raw["target_flags"] = {"pandalm": "too small"}
     with pytest.raises(ValueError, match=r"target_flags: \['pandalm'\] are not OOD datasets"):
