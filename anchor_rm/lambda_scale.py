@@ -59,7 +59,6 @@ class LambdaRange:
     drift: dict[str, float] | None = None  # layer choice -> MSD on the drift probe after the calibration steps
     w2s_loss: float | None = None  # the W2S loss over the calibration's last steps
     steps: int = 0
-    seconds: float = 0.0
 
     def to_dict(self) -> dict:
         out = asdict(self)
@@ -117,9 +116,10 @@ def calibrate_lambda(rm: RewardModel, student_train: Sequence[PreferencePair], s
         raise ValueError(f"the student did not move in {len(logs)} calibration steps (lambda_grad {balance}); give "
                          f"the search's range with --lambda-range")
     ranges = {choice: (b * SPAN[0], b * SPAN[1]) for choice, b in balance.items()}
-    result = LambdaRange(ranges, "calibrated", balance, msd, w2s, len(logs), time.perf_counter() - started)
+    # No time in it: the report carries it, and two runs of one seed must give the same report.
+    result = LambdaRange(ranges, "calibrated", balance, msd, w2s, len(logs))
     log.info("lambda range: %s; drift after the calibration %s, W2S loss %.4f, %.0f s", result.describe(),
-             {c: f"{v:.3g}" for c, v in msd.items()}, w2s, result.seconds)
+             {c: f"{v:.3g}" for c, v in msd.items()}, w2s, time.perf_counter() - started)
     return result
 
 

@@ -177,7 +177,6 @@ def storage_dtype(precision: str, device_type: str = "cpu") -> torch.dtype:
     return torch.float16 if uses_bf16(precision, device_type) else torch.float32
 
 
-@torch.inference_mode()
 def compute_reference_states(reference: torch.nn.Module, encoded: EncodedPairs, layers: list[int], pad_token_id: int,
                              *, batch_size: int = 32, precision: str = "auto",
                              into: str | Path | None = None) -> ReferenceStates:
@@ -188,36 +187,43 @@ def compute_reference_states(reference: torch.nn.Module, encoded: EncodedPairs, 
     `into`: a folder for a disk cache (DiskReferenceStates); a cache of the same sequences, layers and
     storage precision already there is reused, not computed again.
     """
-    reference.eval()
-    device = next(reference.parameters()).device
-    storage = storage_dtype(precision, device.type)
-    layers, digest = sorted(layers), encoded_digest(encoded)
-    model = model_fingerprint(reference)
-    if into is not None:
-        found = _reusable(into, digest, layers, storage, model)
-        if found is not None:
-            return found
-    sequences = encoded.chosen + encoded.rejected
-    sink = (_DiskWriter(into, anchored_positions(encoded), layers, reference.config.hidden_size, storage, model)
-            if into else None)
-    states: dict[int, list[torch.Tensor | None]] = {layer: [None] * len(sequences) for layer in layers}
-    for batch_indices in length_sorted_batches([len(s.input_ids) for s in sequences], batch_size):
-        batch = collate([sequences[i] for i in batch_indices], pad_token_id)
-        batch = {k: v.to(device) for k, v in batch.items()}
-        with autocast(precision, device.type), capture_hidden_states(reference, layers) as hidden:
-            reward_forward(reference, batch)  # only the cached layers' states are kept (forward hooks)
-        mask = batch["anchor_mask"].bool()
-        for layer in layers:
-            layer_states = hidden[layer].float()
-            for row, seq in enumerate(batch_indices):
-                kept = layer_states[row][mask[row]].to(storage).cpu()
-                if sink is not None:
-                    sink.write(layer, seq, kept)
-                else:
-                    states[layer][seq] = kept
-    if sink is not None:
-        return sink.finish(digest, len(encoded))
-    return ReferenceStates(layers, states, digest, len(encoded))
+    # FSDP2 sets up a sharded model's state lazily at its first forward pass; under inference mode that state would
+    # be inference tensors, which training then cannot use (the drift probe reads a sharded student before it
+    # trains): no_grad there, inference mode elsewhere.
+    from anchor_rm.sharded import is_sharded
+
+    with torch.no_grad() if is_sharded(reference) else torch.inference_mode():
+        reference.eval()
+        device = next(reference.parameters()).device
+        storage = storage_dtype(precision, device.type)
+        layers, digest = sorted(layers), encoded_digest(encoded)
+        # Only a disk cache is looked up by model; a sharded (FSDP2) model's parameters are not read here.
+        model = model_fingerprint(reference) if into is not None else None
+        if into is not None:
+            found = _reusable(into, digest, layers, storage, model)
+            if found is not None:
+                return found
+        sequences = encoded.chosen + encoded.rejected
+        sink = (_DiskWriter(into, anchored_positions(encoded), layers, reference.config.hidden_size, storage, model)
+                if into else None)
+        states: dict[int, list[torch.Tensor | None]] = {layer: [None] * len(sequences) for layer in layers}
+        for batch_indices in length_sorted_batches([len(s.input_ids) for s in sequences], batch_size):
+            batch = collate([sequences[i] for i in batch_indices], pad_token_id)
+            batch = {k: v.to(device) for k, v in batch.items()}
+            with autocast(precision, device.type), capture_hidden_states(reference, layers) as hidden:
+                reward_forward(reference, batch)  # only the cached layers' states are kept (forward hooks)
+            mask = batch["anchor_mask"].bool()
+            for layer in layers:
+                layer_states = hidden[layer].float()
+                for row, seq in enumerate(batch_indices):
+                    kept = layer_states[row][mask[row]].to(storage).cpu()
+                    if sink is not None:
+                        sink.write(layer, seq, kept)
+                    else:
+                        states[layer][seq] = kept
+        if sink is not None:
+            return sink.finish(digest, len(encoded))
+        return ReferenceStates(layers, states, digest, len(encoded))
 
 
 def model_fingerprint(model: torch.nn.Module) -> str:

@@ -18,6 +18,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+import time
 from pathlib import Path
 
 from bench_common import machine
@@ -62,14 +63,16 @@ def main(argv=None) -> int:
                          max_length=args.max_length, seed=args.seed, precision=precision, lora_rank=args.lora_rank,
                          lora_alpha=args.lora_alpha, lora_learning_rate=args.lora_learning_rate, length_grouped=False)
     choices = [choice.strip() for choice in args.layers.split(";")]
+    started = time.perf_counter()
     found = calibrate_lambda(load_student(args.student, config), pairs, [args.q] * len(pairs), config, choices,
                              steps=args.steps)
+    seconds = time.perf_counter() - started
     result = {"student": args.student, "lora_rank": args.lora_rank, "batch_size": args.batch_size,
               "learning_rate": args.learning_rate, "lora_learning_rate": args.lora_learning_rate, "precision": precision,
-              **found.to_dict(), "machine": machine()}
+              **found.to_dict(), "seconds": round(seconds, 1), "machine": machine()}
     print(f"{found.describe()}\ndrift after {found.steps} steps of {args.batch_size} pairs: "
           + ", ".join(f"{c} {v:.3g}" for c, v in found.drift.items()) + f"; W2S loss {found.w2s_loss:.4f}; "
-          f"{args.student}{f' LoRA r{args.lora_rank}' if args.lora_rank else ''}, {precision}, {found.seconds:.0f} s; "
+          f"{args.student}{f' LoRA r{args.lora_rank}' if args.lora_rank else ''}, {precision}, {seconds:.0f} s; "
           f"{machine()}")
     if args.out:
         Path(args.out).write_text(json.dumps(result, indent=2))

@@ -33,7 +33,7 @@ TIMEOUT_S = 2400  # a hang guard: 456 s alone, up to 1,360 s beside the rest of 
 
 def registered_content(uri: str, name: str, into: Path) -> tuple[dict[str, str], dict]:
     """Version 1 of `name`: each file of its reward model (path -> sha256) and its report, less what names the
-    run (the run id, the time it was written, Tune's trial ids in the selection block)."""
+    run (the run id, the time it was written, Tune's trial ids in the selection block and its drift rows)."""
     import mlflow
 
     from anchor_rm.mlflow_edge.model_package import find_report, reward_model_folder
@@ -47,7 +47,8 @@ def registered_content(uri: str, name: str, into: Path) -> tuple[dict[str, str],
     report = json.loads(find_report(folder).read_text())
     report.pop("created_at")
     report["model"].pop("run_id")
-    for candidate in [report["selection"]["selected"], *report["selection"]["tied_with"]]:
+    for candidate in [report["selection"]["selected"], *report["selection"]["tied_with"],
+                      *report["selection"]["drift"]["trials"]]:
         candidate.pop("trial_id")
     return files, report
 

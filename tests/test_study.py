@@ -209,10 +209,12 @@ def test_study_pipeline_runs_logs_and_resumes(tmp_path):
     assert calibration["dataset"] == "pku-saferlhf" and calibration["split"] == "val"
     assert calibration["temperature_fit"]["split"] == "teacher_calibration" and calibration["temperature_fit"]["temperature"] > 0
     assert calibration["calibrated"]["accuracy"] == calibration["accuracy"]  # scaling keeps the ranking
-    assert set(instance["target_flags"]) == {"hh-harmless-base", "safetext", "hhh-harmless"}
+    assert set(instance["target_flags"]) == {"hh-harmless-base", "safetext", "hhh-harmless", "diasafety",
+                                             "xstest-harmful", "xstest-overrefusal"}
     assert instance["headline_note"].startswith("no target has headline size")
     for s in instance["students"]:
-        assert set(s["test"]) == {"hh-harmless-base", "safetext", "pku-saferlhf", "hhh-harmless"}
+        assert set(s["test"]) == {"hh-harmless-base", "safetext", "pku-saferlhf", "hhh-harmless", "diasafety",
+                                  "xstest-harmful", "xstest-overrefusal"}
         assert set(s["drift"]["pku-saferlhf"]) == {"last", "middle"}
     assert (tmp_path / "out" / "tables.md").exists() and (tmp_path / "out" / "nts_vs_lambda.png").exists()
 

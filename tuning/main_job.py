@@ -13,11 +13,13 @@ from datetime import datetime
 from pathlib import Path
 
 from anchor_rm.config import TUNE_SAMPLES, ProtocolConfig
-from anchor_rm.experiment import prepare_shared
+from anchor_rm.experiment import STAGE_VERSION, prepare_shared
 from anchor_rm.mlflow_edge import keys, runs
 from anchor_rm.mlflow_edge.store import configure
 from anchor_rm.mlflow_edge.writer import outage_seconds_from_env
-from anchor_rm.lambda_scale import UNCALIBRATED_RANGE, LambdaRange, calibrate_lambda, fixed_range
+from anchor_rm.lambda_scale import (CALIBRATION_STEPS, SPAN, UNCALIBRATED_RANGE, LambdaRange, calibrate_lambda,
+                                   fixed_range)
+from anchor_rm.mlflow_edge.keys import cache_key
 from anchor_rm.workflow import load_student, release_device_memory
 from tuning.final import FinalResult, register_selected
 from tuning.search import init_ray, run_search
@@ -25,6 +27,8 @@ from tuning.space import LAYER_CHOICES
 from tuning.trainable import make_payload
 
 log = logging.getLogger("anchor_rm")
+
+LAMBDA_RANGE_STAGE = "lambda-range"
 
 
 @dataclass
@@ -138,26 +142,35 @@ def shared_stages(cfg: ProtocolConfig, experiment_id: str):
     return shared
 
 
-def search_lambda_range(cfg: ProtocolConfig, shared, settings: MainJobSettings, parent_id: str) -> LambdaRange:
-    """The anchor search's lambda range (lambda_scale): --lambda-range when given; on --resume, the range the
-    experiment's search started with (its tune run's tag: Tune restores the searcher with it); else calibrated on
-    the driver's device for the student (a few naive W2S steps of a fresh copy, its memory handed back before Ray
-    starts), except for a sharded student, which the driver cannot hold: the uncalibrated range, with a warning."""
+def search_lambda_range(cfg: ProtocolConfig, shared, settings: MainJobSettings, experiment_id: str) -> LambdaRange:
+    """The anchor search's lambda range (lambda_scale), recorded as the tune run's tag: --lambda-range when given;
+    else calibrated for the student on the driver's device (a few naive W2S steps of a fresh copy, its memory handed
+    back before Ray starts), a stage run keyed by its inputs, so that a resumed or repeated experiment searches the
+    same range (another thread count would change its last digits); a sharded student, which the driver cannot
+    hold, gets the uncalibrated range, with a warning."""
+    train_cfg = replace(cfg.student_train, precision=cfg.precision)
     if settings.lambda_range is not None:
         found = fixed_range(LAYER_CHOICES, *settings.lambda_range, "given")
-    elif settings.resume and runs.run_tag(parent_id, keys.LAMBDA_RANGE_TAG):
-        return LambdaRange.from_dict(json.loads(runs.run_tag(parent_id, keys.LAMBDA_RANGE_TAG)))
-    elif cfg.student_train.strategy == "fsdp2":
+    elif train_cfg.strategy == "fsdp2":
         log.warning("lambda range not calibrated: a sharded student does not fit the driver; searching %g..%g, which "
                     "suits MiniLM-L6, not necessarily %s (give --lambda-range)", *UNCALIBRATED_RANGE, cfg.student)
         found = fixed_range(LAYER_CHOICES, *UNCALIBRATED_RANGE, "uncalibrated")
     else:
-        train_cfg = replace(cfg.student_train, precision=cfg.precision)
-        rm = load_student(cfg.student, train_cfg)
-        found = calibrate_lambda(rm, shared.splits.student_train, shared.soft_labels(train_cfg.teacher_labels),
-                                 train_cfg, LAYER_CHOICES, batch_size=cfg.eval_batch_size)
-        del rm
-        release_device_memory()
+        def compute() -> dict:
+            rm = load_student(cfg.student, train_cfg)
+            calibrated = calibrate_lambda(rm, shared.splits.student_train,
+                                          shared.soft_labels(train_cfg.teacher_labels), train_cfg, LAYER_CHOICES,
+                                          batch_size=cfg.eval_batch_size)
+            del rm
+            release_device_memory()
+            return calibrated.to_dict()
+
+        key = cache_key(STAGE_VERSION, LAMBDA_RANGE_STAGE, shared.data.outputs["digests"], shared.teacher.run_id,
+                        cfg.student, train_cfg.key_dict(), cfg.eval_batch_size, LAYER_CHOICES, CALIBRATION_STEPS, SPAN)
+        run = runs.stage_run(experiment_id, LAMBDA_RANGE_STAGE, key, compute, tags=shared.tags())
+        found = LambdaRange.from_dict(run.outputs)
+        if run.reused:
+            log.info("lambda range: %s (reusing run %s: same inputs)", found.describe(), run.run_id)
     runs.set_tags({keys.LAMBDA_RANGE_TAG: json.dumps(found.to_dict())})
     return found
 
@@ -195,7 +208,7 @@ def run_main_job(cfg: ProtocolConfig, settings: MainJobSettings) -> MainJobResul
         if existing:  # a finished experiment: --resume restores nothing, trains nothing, registers nothing
             log.info("this experiment already registered %s; nothing more to do", existing)
             return MainJobResult(name, None, existing, {"shared": shared_seconds})
-        lambda_range = search_lambda_range(cfg, shared, settings, parent_id)
+        lambda_range = search_lambda_range(cfg, shared, settings, experiment_id)
         init_ray(settings.ray_address, settings.num_cpus)
         payload = make_payload(cfg, shared, tracking_uri=settings.tracking_uri, experiment_id=experiment_id,
                                parent_run_id=parent_id, storage_path=str(storage / name),

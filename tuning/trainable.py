@@ -136,7 +136,10 @@ def train_loop_per_worker(config: dict) -> None:
 
     start_epoch, optimizer_state, undelivered, state = 0, None, [], {}
     checkpoint = ray.train.get_checkpoint()
-    measures = rank == 0 or sharded  # who runs the validation passes (a sharded forward pass needs every worker)
+    # Rank 0 measures the drift probe. Not under FSDP2: a pass over the sharded student before it trains left its
+    # optimizer state unsavable (torch.distributed.checkpoint found parameters it did not know; not solved), so
+    # sharded trials report no drift.
+    measures = rank == 0 and not sharded
 
     def probe(model):  # the drift probe's pretrained states, from `model` before it trains (LoRA: adapters off)
         return drift_probe(model, payload.splits.student_train, batch_size=cfg.eval_batch_size,
