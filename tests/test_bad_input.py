@@ -97,6 +97,20 @@ def test_a_negative_seed_is_refused_by_the_parser_naming_it():
         StudyConfig(seeds=[0, -1])
 
 
+def test_a_bad_lambda_range_is_refused_naming_what_is_wrong():
+    from _common import lambda_range
+
+    from tuning.main_job import MainJobSettings
+
+    assert lambda_range("1e-3,1e2") == (1e-3, 100.0)
+    for text, why in (("1e-3", "is not LOW,HIGH"), ("a,b", "is not LOW,HIGH"), ("1,0.1", "needs 0 < LOW < HIGH"),
+                      ("0,1", "needs 0 < LOW < HIGH")):
+        with pytest.raises(argparse.ArgumentTypeError, match=why):
+            lambda_range(text)
+    with pytest.raises(ValueError, match="--lambda-range needs 0 < low < high, not 1,0.1"):
+        MainJobSettings(lambda_range=(1.0, 0.1))
+
+
 def test_a_study_folder_holding_another_studys_results_is_not_written_over(tmp_path):
     from anchor_rm.study import StudyConfig, check_out_folder
 

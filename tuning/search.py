@@ -119,8 +119,8 @@ def run_search(payload: SharedPayload, *, num_samples: int, concurrency: int, re
     ).fit()
     anchor = _tuner(
         root / "anchor", trainable, {},
-        tune.TuneConfig(search_alg=make_searcher(seed, lambda_ranges), scheduler=make_scheduler(epochs), num_samples=num_samples,
-                        max_concurrent_trials=concurrency, reuse_actors=False),
+        tune.TuneConfig(search_alg=make_searcher(seed, lambda_ranges), scheduler=make_scheduler(epochs),
+                        num_samples=num_samples, max_concurrent_trials=concurrency, reuse_actors=False),
         callbacks, resume,
     ).fit()
     return _outcomes(baselines), _outcomes(anchor)
