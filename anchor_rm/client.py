@@ -21,6 +21,8 @@ retry, and its message names the field and the limit.
 from __future__ import annotations
 
 import asyncio
+import math
+import random
 import time
 from dataclasses import dataclass
 from typing import Any, Callable, Sequence
@@ -80,12 +82,18 @@ def _headers(api_key: str | None) -> dict[str, str]:
 
 
 def _delay(attempt: int, response: httpx.Response | None, backoff: float, max_backoff: float) -> float:
+    """The server's Retry-After when it sent a usable one (seconds, clamped to 0..max_backoff: a negative, NaN or
+    HTTP-date value falls back to backoff), else exponential backoff; plus up to 10% jitter, so that clients
+    refused together do not all come back in the same instant."""
+    delay = min(max_backoff, backoff * 2 ** attempt)
     if response is not None:
         try:
-            return min(max_backoff, float(response.headers.get("retry-after", "")))
+            asked = float(response.headers.get("retry-after", ""))
         except ValueError:
-            pass
-    return min(max_backoff, backoff * 2 ** attempt)
+            asked = math.nan
+        if math.isfinite(asked):
+            delay = min(max_backoff, max(0.0, asked))
+    return delay * (1.0 + 0.1 * random.random())
 
 
 def _retry_delay(path: str, attempt: int, retries: int, response: httpx.Response | None, error: Exception | None,

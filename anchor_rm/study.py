@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import json
 import logging
-import os
 import time
 from dataclasses import asdict, dataclass, field
 from datetime import datetime, timezone
@@ -29,6 +28,7 @@ from anchor_rm.mlflow_edge import keys, runs
 from anchor_rm.mlflow_edge.keys import cache_key, metric_name
 from anchor_rm.mlflow_edge.runs import ActiveRunSink, stage_run
 from anchor_rm.reference_cache import ReferenceStates
+from anchor_rm.report_files import write_atomically
 from anchor_rm.student import train_student
 from anchor_rm.training import TEACHER_LABELS, TrainConfig
 from anchor_rm.workflow import (evaluation_sets, frozen_reference, load_student, reference_states, scores_to_dict,
@@ -292,11 +292,9 @@ def read_instance(path: Path, key: str) -> dict | None:
 
 
 def write_instance(path: Path, key: str, instance: dict) -> None:
-    """Writes the record whole or not at all: a temporary file renamed over the old one."""
+    """Writes the record whole or not at all (report_files.write_atomically)."""
     path.parent.mkdir(parents=True, exist_ok=True)
-    partial = path.with_name(f".{path.name}.{os.getpid()}.partial")
-    partial.write_text(json.dumps({"key": key, "instance": instance}, indent=1))
-    os.replace(partial, path)
+    write_atomically(path, json.dumps({"key": key, "instance": instance}, indent=1).encode())
 
 
 def recorded_settings(config: dict) -> dict:

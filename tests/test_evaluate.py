@@ -250,7 +250,9 @@ def test_registry_mistakes_give_one_clear_line(store, tmp_path, capsys):
     cases = {
         f"models:/{REGISTERED}@champion": f"registered model '{REGISTERED}' has no alias 'champion'; "
                                           "its aliases: @challenger (version 1)",
-        "models:/no-such-model@champion": "no registered model 'no-such-model'",
+        # It names what the registry holds: the smoke preset registers another category than the service asks for.
+        "models:/no-such-model@champion": f"no registered model 'no-such-model' in the registry at {store.uri}",
+        "models:/no-such-model/1": f"it holds: {REGISTERED} (@challenger)",
         f"models:/{REGISTERED}/7": f"registered model '{REGISTERED}' has no version 7; its versions: 1",
         f"models:/{REGISTERED}/Production": "version 'Production' is not a number",
         "runs:/0123456789abcdef/model": "no run '0123456789abcdef'",

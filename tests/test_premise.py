@@ -128,3 +128,20 @@ def test_an_experiments_report_carries_the_check_of_its_naive_w2s_or_says_why_no
     old = scores_from_dict({k: {**v, "correct": None} for k, v in
                             {n: s.__dict__ for n, s in scores["naive"].items()}.items()})
     assert "before per-pair results were kept" in premise_of(shared, old)["summary"]
+
+
+def test_only_an_anchor_version_is_tagged_with_an_anchor_lambda_and_layer():
+    """/model's headline shows the version's tags: a naive W2S version trained with the config's default lambda
+    must not claim one."""
+    from anchor_rm.report import build_report
+    from anchor_rm.report_summary import headline_tags
+    from test_report import split_rows
+
+    def tags(method: str) -> dict:
+        info = {"name": "anchor-rm-harmless", "student": "s", "teacher": "t", "method": method, "run_id": "r",
+                "hyperparameters": {"anchor_lambda": 0.01, "anchor_layers": "last"}}
+        return headline_tags(build_report(info, split_rows(), selection_splits="val", figure_splits="test"))
+
+    assert tags("anchor")["anchor_lambda"] == "0.01" and tags("anchor")["anchor_layers"] == "last"
+    for method in ("naive", "confidence"):
+        assert tags(method)["method"] == method and not {"anchor_lambda", "anchor_layers"} & set(tags(method))

@@ -212,6 +212,20 @@ def test_the_client_retries_503_and_connection_errors_only():
     assert client.best_of_n("p", ["a", "b"]).best_index == 1 and client.compare("p", "a", "b") == 0.25
 
 
+def test_the_clients_wait_follows_retry_after_clamped_with_jitter():
+    from anchor_rm.client import _delay
+
+    def waits(retry_after: str, attempt: int = 0) -> list[float]:
+        response = httpx.Response(503, headers={"Retry-After": retry_after})
+        return [_delay(attempt, response, backoff=0.5, max_backoff=30.0) for _ in range(200)]
+
+    assert all(5.0 <= w <= 5.5 for w in waits("5")) and len(set(waits("5"))) > 1  # jitter up to 10%
+    assert all(0.0 <= w <= 0.0 for w in waits("-3"))  # a negative Retry-After: no wait, never a ValueError
+    assert all(30.0 <= w <= 33.0 for w in waits("3600"))  # clamped to max_backoff
+    for unusable in ("nan", "inf", "Wed, 21 Oct 2026 07:28:00 GMT", ""):
+        assert all(2.0 <= w <= 2.2 for w in waits(unusable, attempt=2)), unusable  # backoff 0.5 * 2**2
+
+
 def test_the_async_client_and_the_trl_reward_function():
     async def run():
         def handler(request):

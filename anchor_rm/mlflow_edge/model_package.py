@@ -162,13 +162,27 @@ def resolve_model_uri(uri: str, download_dir: str | Path) -> ResolvedModel:
     raise ModelError(f"model {uri!r}: no such folder; use {MODEL_FORMS}")
 
 
+def _registered_models_there(client) -> str:
+    """What the registry holds, for an error that names a model it lacks (e.g. the smoke preset registers
+    anchor-rm-helpful while the service asks for anchor-rm-harmless)."""
+    try:
+        found = client.search_registered_models(max_results=20)
+    except store.TrackingError:
+        return "check --tracking-uri"
+    if not found:
+        return "it holds no registered models yet: run the main job (pipelines/tune.py), or check --tracking-uri"
+    names = ", ".join(f"{m.name} ({', '.join('@' + a for a in sorted(m.aliases or {})) or 'no aliases'})"
+                      for m in found)
+    return f"it holds: {names}"
+
+
 def _registry_version(uri: str, name: str, alias: str | None, version: str | None) -> tuple[str, Any]:
     client = store.client()
     try:
         registered = client.get_registered_model(name)
     except store.TrackingError as exc:
         raise ModelError(f"{uri}: no registered model {name!r} in the registry at {store.registry_uri()} "
-                         f"({store.message(exc)}); check --tracking-uri") from None
+                         f"({store.message(exc)}); {_registered_models_there(client)}") from None
     numbers = sorted(int(v.version) for v in client.search_model_versions(f"name='{name}'"))
     if alias is not None:
         aliases = dict(registered.aliases or {})
