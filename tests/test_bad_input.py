@@ -6,14 +6,10 @@ from __future__ import annotations
 import argparse
 import json
 import socket
-import sys
-from pathlib import Path
 
 import pytest
 
-from helpers import ROOT, run_pipeline
-
-sys.path.insert(0, str(ROOT / "pipelines"))
+from helpers import run_pipeline
 
 
 def _closed_port() -> int:
@@ -38,7 +34,7 @@ def test_an_unreachable_tracking_server_is_one_line_naming_its_uri_within_second
 def test_clean_errors_prints_an_mlflow_error_as_one_line(capsys, monkeypatch):
     from mlflow.exceptions import MlflowException
 
-    from _common import clean_errors
+    from anchor_rm.cli.common import clean_errors
 
     monkeypatch.delenv("ANCHOR_RM_DEBUG", raising=False)
     with pytest.raises(SystemExit) as exited, clean_errors():
@@ -85,7 +81,7 @@ def test_main_job_settings_refuse_a_model_name_mlflow_refuses_and_a_batch_the_wo
 
 
 def test_a_negative_seed_is_refused_by_the_parser_naming_it():
-    from _common import seed_number
+    from anchor_rm.cli.common import seed_number
 
     assert seed_number("7") == 7
     for text in ("-1", "x"):
@@ -98,7 +94,7 @@ def test_a_negative_seed_is_refused_by_the_parser_naming_it():
 
 
 def test_a_bad_lambda_range_is_refused_naming_what_is_wrong():
-    from _common import lambda_range
+    from anchor_rm.cli.common import lambda_range
 
     from tuning.main_job import MainJobSettings
 

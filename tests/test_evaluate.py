@@ -1,6 +1,5 @@
 """pipelines/evaluate.py and anchor_rm/evaluation.py: real tiny models, a real SQLite MLflow registry."""
 
-import importlib.util
 import json
 import logging
 import tempfile
@@ -9,20 +8,11 @@ from pathlib import Path
 
 import pytest
 
-from helpers import ROOT, run_pipeline, sqlite_store, tiny_model_folder
+from anchor_rm.cli import evaluate as cli  # what pipelines/evaluate.py and `anchor-rm evaluate` run
+from helpers import run_pipeline, sqlite_store, tiny_model_folder
 
 REGISTERED = "anchor-rm-test"
 TEACHER_TAG = "anchor_rm.teacher_run"
-
-
-def _load_cli():
-    spec = importlib.util.spec_from_file_location("evaluate_pipeline", ROOT / "pipelines" / "evaluate.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
-cli = _load_cli()
 
 
 def write_pairs(path: Path, n: int = 12, extra: list[str] | None = None) -> Path:

@@ -340,17 +340,10 @@ def test_the_default_main_job_runs_harmless_and_what_follows_it_expects_that():
     """The default preset runs harmless (helpful has no reliable weak-to-strong gap with MiniLM-L6: the gate stopped
     the helpful default in fp32); smoke and paper stay helpful; promote.py and the service default to the name the
     default main job registers."""
-    import sys
-
+    from anchor_rm.cli import promote, train, tune
     from anchor_rm.mlflow_edge.registry import default_model_name
     from service.schemas import DEFAULT_MODEL_URI
 
-    from helpers import ROOT
-
-    sys.path.insert(0, str(ROOT / "pipelines"))
-    import promote
-    import train
-    import tune
 
     assert tune.tune_config(tune.build_parser().parse_args([])).category == "harmless"
     assert tune.tune_config(tune.build_parser().parse_args(["--preset", "smoke"])).category == "helpful"
@@ -363,9 +356,8 @@ def test_the_default_main_job_runs_harmless_and_what_follows_it_expects_that():
 
 TOKEN_PROBE = """
 import json, os, sys
-sys.path.insert(0, sys.argv[1])
-import tune
-tune.use_ray_token(sys.argv[2] or None)
+from anchor_rm.cli import tune
+tune.use_ray_token(sys.argv[1] or None)
 print(json.dumps({k: os.environ.get(k) for k in ("RAY_AUTH_MODE", "RAY_AUTH_TOKEN", "RAY_AUTH_TOKEN_PATH")}))
 """
 
@@ -384,7 +376,6 @@ def test_the_ray_token_of_a_local_cluster_is_its_own_and_the_users_is_left_alone
     import os
     import subprocess
     import sys
-    from pathlib import Path
 
     home = tmp_path / "home"
     (home / ".ray").mkdir(parents=True)
@@ -392,8 +383,7 @@ def test_the_ray_token_of_a_local_cluster_is_its_own_and_the_users_is_left_alone
         (home / ".ray" / "auth_token").write_text("the-users-token")
     full_env = {k: v for k, v in os.environ.items() if not k.startswith("RAY_AUTH")}
     full_env.update({"HOME": str(home), **env})
-    pipelines = str(Path(__file__).resolve().parents[1] / "pipelines")
-    probe = subprocess.run([sys.executable, "-c", TOKEN_PROBE, pipelines, address], env=full_env, capture_output=True,
+    probe = subprocess.run([sys.executable, "-c", TOKEN_PROBE, address], env=full_env, capture_output=True,
                            text=True, timeout=120)
     assert probe.returncode == 0, probe.stderr[-2000:]
     got = {k: v for k, v in json.loads(probe.stdout.splitlines()[-1]).items() if v is not None}
@@ -455,3 +445,27 @@ def test_the_service_reads_a_token_budget_and_refuses_a_negative_one():
     assert load_settings({"ANCHOR_RM_FORWARD_MAX_TOKENS": "0"}).forward_max_tokens == 0
     with pytest.raises(SettingsError, match="ANCHOR_RM_FORWARD_MAX_TOKENS='-1'"):
         load_settings({"ANCHOR_RM_FORWARD_MAX_TOKENS": "-1"})
+
+
+@pytest.mark.timeout(120)
+def test_the_console_entry_point_and_the_scripts_run_the_same_commands():
+    """`anchor-rm COMMAND` (pip's console script, pyproject [project.scripts]) and `python pipelines/COMMAND.py`
+    reach the same parser; an unknown command is named with the list of known ones."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    from helpers import ROOT
+
+    script = Path(sys.executable).parent / "anchor-rm"
+    assert script.is_file(), f"{script}: not installed; run scripts/setup.sh (pip install -e .)"
+    listing = subprocess.run([str(script), "--help"], capture_output=True, text=True, timeout=60)
+    assert listing.returncode == 0 and all(c in listing.stdout for c in ("tune", "train", "evaluate", "promote", "study"))
+    tune_help = subprocess.run([str(script), "tune", "--help"], capture_output=True, text=True, timeout=60)
+    assert tune_help.returncode == 0 and tune_help.stdout.startswith("usage: anchor-rm tune"), tune_help.stdout[:200]
+    script_help = subprocess.run([sys.executable, str(ROOT / "pipelines" / "tune.py"), "--help"], capture_output=True,
+                                 text=True, timeout=60)
+    assert script_help.returncode == 0 and "--num-samples" in script_help.stdout and "--num-samples" in tune_help.stdout
+    unknown = subprocess.run([str(script), "tunе"], capture_output=True, text=True, timeout=60)  # a Cyrillic e
+    assert unknown.returncode == 2 and "unknown command 'tunе'; one of tune, train" in unknown.stderr
+    assert not [p.name for p in (ROOT / "pipelines").glob("*.py") if "sys.path" in p.read_text()]

@@ -7,10 +7,8 @@ checks on a GPU what a CPU cannot."""
 
 from __future__ import annotations
 
-import argparse
 import os
 import resource
-import sys
 
 import pytest
 import torch
@@ -68,8 +66,7 @@ def process_group():
 def test_auto_is_resolved_for_the_device_a_stage_runs_on_not_the_drivers_cpu(fake_cuda):
     assert precision.resolve_precision("auto", "cpu") == "fp32"
     assert precision.resolve_precision("auto", "cuda") == "bf16"
-    sys.path.insert(0, str(ROOT / "pipelines"))
-    import tune
+    from anchor_rm.cli import tune
 
     cfg = tune.tune_config(tune.build_parser().parse_args(["--preset", "smoke"]))
     assert cfg.precision == cfg.student_train.precision == "bf16"  # the driver's stages run on its GPU

@@ -11,7 +11,6 @@ import pytest
 from helpers import PYTHON, ROOT
 
 sys.path.insert(0, str(ROOT / "bench"))
-sys.path.insert(0, str(ROOT / "pipelines"))
 
 
 @pytest.mark.parametrize("flags", [[], ["--device", "cpu", "--student", "minilm-l6", "--quick"]])
@@ -19,9 +18,9 @@ def test_every_step_parses_with_its_commands_parser(tmp_path, flags):
     import anchor_cost
     import bench_service
     import gpu_path
-    import tune
-
     import fsdp2_step
+
+    from anchor_rm.cli import tune
 
     commands = gpu_path.steps(gpu_path.parse_args(flags), tmp_path)
     assert set(commands) == {"tune", "anchor_cost", "service", "plan_lora", "tune_lora", "fsdp2", "fsdp2_lora"}

@@ -5,7 +5,6 @@ attention runs in fp32 on a CPU under bf16 autocast."""
 from __future__ import annotations
 
 import logging
-import sys
 import warnings
 
 import numpy as np
@@ -17,7 +16,6 @@ from anchor_rm.config import ProtocolConfig
 from anchor_rm.data import PreferencePair
 from anchor_rm.encoding import RewardEncoder, collate
 from anchor_rm.scoring import RewardScorer, encode_pairs
-from helpers import ROOT
 
 
 @pytest.fixture
@@ -173,8 +171,7 @@ def test_service_setting_names_a_bad_precision():
 
 @pytest.mark.timeout(60)
 def test_pipelines_name_a_bad_precision_flag(capsys):
-    sys.path.insert(0, str(ROOT / "pipelines"))
-    import train
+    from anchor_rm.cli import train
 
     with pytest.raises(SystemExit):
         train.build_parser().parse_args(["--precision", "fp16"])

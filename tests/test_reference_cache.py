@@ -116,13 +116,9 @@ def test_a_disk_cache_of_another_model_or_with_a_file_cut_short_is_computed_agai
                                             ("1024", 1024), ("64 kib", 65536)])
 def test_the_budget_flag_reads_sizes_and_refuses_what_is_not_one(text, expected):
     import argparse
-    import importlib.util
 
-    from helpers import ROOT
+    from anchor_rm.cli import common
 
-    spec = importlib.util.spec_from_file_location("pipelines_common", ROOT / "pipelines" / "_common.py")
-    common = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(common)
     assert common.byte_size(text) == expected
     with pytest.raises(argparse.ArgumentTypeError, match="not a size: '2 parsecs'"):
         common.byte_size("2 parsecs")

@@ -467,11 +467,7 @@ with mlflow.start_run():
 @pytest.mark.slow
 def _promote_check(store: str, capsys, *flags: str) -> tuple[int, str]:
     """pipelines/promote.py --check [flags] in this process (its main, as the command line runs it)."""
-    import importlib.util
-
-    spec = importlib.util.spec_from_file_location("promote_cli", ROOT / "pipelines" / "promote.py")
-    promote_cli = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(promote_cli)
+    from anchor_rm.cli import promote as promote_cli
     capsys.readouterr()
     code = promote_cli.main(["--check", *flags, "--tracking-uri", store])
     return code, capsys.readouterr().out
