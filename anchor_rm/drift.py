@@ -81,7 +81,8 @@ def evaluate_with_drift(rm: RewardModel, pairs: Sequence[PreferencePair], refere
     if encoded_digest(rm.encode(pairs)) != reference.digest:
         raise ValueError("the reference states were computed on other pairs or another encoding of them")
     meter = DriftMeter(reference, layer_sets)
-    score = evaluate_pairs(rm, pairs, batch_size, precision=precision, hidden_states_hook=meter)
+    score = evaluate_pairs(rm, pairs, batch_size, precision=precision, hidden_states_hook=meter,
+                           label="scoring, with drift")
     return score, meter.result()
 
 

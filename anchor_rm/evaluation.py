@@ -94,8 +94,10 @@ def score_sets(student: RewardModel, sets: Sequence[EvaluationSet], *, teacher: 
     rows, flagged, correct = [], [], {}
     for s in sets:
         try:
-            scored, ood = evaluate_pairs_with_ood(student, s.pairs, batch_size, precision=precision)
-            teacher_scored = (evaluate_pairs(teacher, s.pairs, batch_size, precision=precision)
+            scored, ood = evaluate_pairs_with_ood(student, s.pairs, batch_size, precision=precision,
+                                                  label=f"scoring {s.name} (model)")
+            teacher_scored = (evaluate_pairs(teacher, s.pairs, batch_size, precision=precision,
+                                             label=f"scoring {s.name} (teacher)")
                               if teacher is not None else None)
         except ValueError as exc:
             raise ValueError(f"dataset {s.name!r}: {exc}") from None

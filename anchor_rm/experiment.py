@@ -308,7 +308,8 @@ def final_report(shared: SharedStages, rm: RewardModel, model_info: dict, eval_b
         elif split == "test" and ood_flag:
             student = {}
             for name, role, pairs in evaluation_sets(splits, "test"):
-                student[name], ood = evaluate_pairs_with_ood(rm, pairs, eval_batch_size, precision=precision)
+                student[name], ood = evaluate_pairs_with_ood(rm, pairs, eval_batch_size, precision=precision,
+                                                             label=f"scoring {name} (test)")
                 flagged.append(flagged_set(name, role, student[name], ood))
         else:
             student = evaluate_model(rm, splits, split, eval_batch_size, precision=precision)

@@ -231,8 +231,9 @@ class RewardScorer:
 
     @torch.inference_mode()
     def _forward(self, encoded: Sequence[EncodedText], hidden_states_hook: HiddenStatesHook | None,
-                 with_features: bool) -> tuple[np.ndarray, np.ndarray | None]:
-        """Rewards, and (with_features) each sequence's pooled representation, in one pass over `encoded`."""
+                 with_features: bool, label: str = "scoring") -> tuple[np.ndarray, np.ndarray | None]:
+        """Rewards, and (with_features) each sequence's pooled representation, in one pass over `encoded`. A pass
+        longer than the progress interval writes `label`'s progress lines (anchor_rm/progress.py)."""
         # Scored in eval mode; each module gets its own mode back. Only a model with a module in training mode
         # is switched: eval() and train() walk every module, which cost about 1.5 ms of a 12 ms lone-pair call
         # (bench/service_breakdown.py, M1), and the service's model is always in eval mode.
@@ -244,6 +245,7 @@ class RewardScorer:
         features: np.ndarray | None = None
         device = next(self.model.parameters()).device
         last = self.model.config.num_hidden_layers
+        progress = Progress(label, unit="responses", total=len(encoded), quiet_when_quick=True)
         try:
             for batch_indices in length_sorted_batches([len(e.input_ids) for e in encoded], self.batch_size,
                                                        self.max_tokens):
@@ -262,19 +264,23 @@ class RewardScorer:
                     features[batch_indices] = pooled
                 if every_layer:
                     hidden_states_hook(batch_indices, output.hidden_states, batch["anchor_mask"])
+                progress.update(len(batch_indices))
+            progress.close()
         finally:
             if switched:
                 for module, training in modes:
                     module.training = training
         return rewards, features
 
-    def score_encoded(self, encoded: Sequence[EncodedText], hidden_states_hook: HiddenStatesHook | None = None) -> np.ndarray:
-        return self._forward(encoded, hidden_states_hook, with_features=False)[0]
+    def score_encoded(self, encoded: Sequence[EncodedText], hidden_states_hook: HiddenStatesHook | None = None,
+                      label: str = "scoring") -> np.ndarray:
+        return self._forward(encoded, hidden_states_hook, with_features=False, label=label)[0]
 
-    def rewards_and_ood(self, encoded: Sequence[EncodedText],
-                        hidden_states_hook: HiddenStatesHook | None = None) -> tuple[np.ndarray, np.ndarray | None]:
+    def rewards_and_ood(self, encoded: Sequence[EncodedText], hidden_states_hook: HiddenStatesHook | None = None,
+                        label: str = "scoring") -> tuple[np.ndarray, np.ndarray | None]:
         """Rewards and, where the scorer has a density, each sequence's ood score (else None)."""
-        rewards, features = self._forward(encoded, hidden_states_hook, with_features=self.density is not None)
+        rewards, features = self._forward(encoded, hidden_states_hook, with_features=self.density is not None,
+                                          label=label)
         return rewards, None if features is None else self.density.score(features)
 
     def features(self, encoded: Sequence[EncodedText]) -> np.ndarray:
@@ -290,9 +296,10 @@ class RewardScorer:
         truncated = np.array([e.truncated for e in encoded], dtype=bool)
         return ScoredTexts(rewards, truncated, ood, None if ood is None else self.density.in_domain(ood))
 
-    def score_pairs(self, pairs: EncodedPairs, hidden_states_hook: HiddenStatesHook | None = None) -> tuple[np.ndarray, np.ndarray]:
+    def score_pairs(self, pairs: EncodedPairs, hidden_states_hook: HiddenStatesHook | None = None,
+                    label: str = "scoring") -> tuple[np.ndarray, np.ndarray]:
         """Rewards of the chosen and of the rejected responses; the hook sees chosen + rejected indices."""
-        rewards = self.score_encoded(pairs.chosen + pairs.rejected, hidden_states_hook)
+        rewards = self.score_encoded(pairs.chosen + pairs.rejected, hidden_states_hook, label)
         return rewards[: len(pairs)], rewards[len(pairs) :]
 
 

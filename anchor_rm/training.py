@@ -34,6 +34,7 @@ from anchor_rm.losses import (
 from anchor_rm.lora import adapter_parameter, adapters_off, is_adapted
 from anchor_rm.models import freeze_lower_layers
 from anchor_rm.precision import autocast, check_precision
+from anchor_rm.progress import Progress
 from anchor_rm.reference_cache import ReferenceStates, encoded_digest
 from anchor_rm.scoring import EncodedPairs, capture_hidden_states, fp32_reward_head, reward_forward
 from anchor_rm.sharded import is_sharded, load_sharded, shard_model
@@ -294,6 +295,9 @@ def train_reward_model(
     result = TrainResult(steps=0, seconds=0.0, pairs_seen=0)
     started = time.perf_counter()
     step = start_epoch * steps_per_epoch
+    # One rank's lines: steps done of those left, pairs/s, time left, the loss (anchor_rm/progress.py).
+    progress = Progress("training", unit="steps", total=total_steps - step, rate_unit="pairs",
+                        quiet_when_quick=True) if rank == 0 else None
     model.train()
     for epoch in range(start_epoch, config.epochs):
         for batch_indices in epoch_batches(lengths, config.batch_size, config.seed, epoch, config.length_grouped):
@@ -309,6 +313,9 @@ def train_reward_model(
             result.step_logs.append(log)
             result.pairs_seen += len(batch_indices)
             step += 1
+            if progress is not None:
+                progress.update(rated=len(batch_indices),
+                                note=f"epoch {epoch + 1}/{config.epochs}, loss {log.loss:.4f}")
             if on_step is not None:
                 on_step(log)
         result.steps = step
@@ -318,6 +325,8 @@ def train_reward_model(
                 result.epoch_metrics.append({"epoch": epoch, **metrics})
             model.train()
     result.seconds = time.perf_counter() - started
+    if progress is not None:
+        progress.close(f"{result.pairs_seen / max(result.seconds, 1e-9):.1f} pairs/s")
     result.optimizer_state = _resumable_state(optimizer, scheduler, sharded)
     return result
 

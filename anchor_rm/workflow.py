@@ -308,7 +308,7 @@ def soft_labels(teacher: RewardModel, pairs: Sequence[PreferencePair], batch_siz
     A pair the teacher's truncation made identical gets 0.5: the teacher has no opinion on it.
     """
     encoded = teacher.encode(pairs)
-    chosen, rejected = teacher.scorer(batch_size, precision).score_pairs(encoded)
+    chosen, rejected = teacher.scorer(batch_size, precision).score_pairs(encoded, label="teacher labels")
     probs = np.full(len(pairs), 0.5)
     probs[encoded.kept] = 1.0 / (1.0 + np.exp(-(chosen - rejected)))
     return probs
@@ -327,22 +327,23 @@ class SplitScore:
 
 
 def evaluate_pairs(rm: RewardModel, pairs: Sequence[PreferencePair], batch_size: int = 32, *, precision: str = "auto",
-                   hidden_states_hook: HiddenStatesHook | None = None) -> SplitScore:
-    """Pairwise accuracy on `pairs`; the hook (see scoring) sees chosen + rejected sequences' states."""
+                   hidden_states_hook: HiddenStatesHook | None = None, label: str = "scoring") -> SplitScore:
+    """Pairwise accuracy on `pairs`; the hook (see scoring) sees chosen + rejected sequences' states. `label` names
+    the progress lines of a long pass."""
     return evaluate_pairs_with_ood(rm, pairs, batch_size, precision=precision, hidden_states_hook=hidden_states_hook,
-                                   ood_flag=False)[0]
+                                   ood_flag=False, label=label)[0]
 
 
 def evaluate_pairs_with_ood(rm: RewardModel, pairs: Sequence[PreferencePair], batch_size: int = 32, *,
                             precision: str = "auto", hidden_states_hook: HiddenStatesHook | None = None,
-                            ood_flag: bool = True) -> tuple[SplitScore, tuple[np.ndarray, np.ndarray] | None]:
+                            ood_flag: bool = True, label: str = "scoring") -> tuple[SplitScore, tuple[np.ndarray, np.ndarray] | None]:
     """`evaluate_pairs`, and where the model has an OOD flag's density (and `ood_flag`), the ood scores of the
     chosen and of the rejected responses of the evaluated pairs, from the same forward pass."""
     encoded = rm.encode(pairs)
     if len(encoded) == 0:
         raise ValueError("no pair left to evaluate after truncation")
     rewards, ood = rm.scorer(batch_size, precision, ood_flag=ood_flag).rewards_and_ood(
-        encoded.chosen + encoded.rejected, hidden_states_hook)
+        encoded.chosen + encoded.rejected, hidden_states_hook, label)
     chosen, rejected = rewards[: len(encoded)], rewards[len(encoded):]
     correct = "".join("1" if c > r else "0" for c, r in zip(chosen, rejected))
     score = SplitScore(pairwise_accuracy(chosen, rejected), len(encoded), tie_rate(chosen, rejected),
@@ -380,7 +381,8 @@ def evaluation_sets(splits: ProtocolSplits, split: str) -> list[tuple[str, str, 
 
 def evaluate_model(rm: RewardModel, splits: ProtocolSplits, split: str, batch_size: int = 32, *,
                    precision: str = "auto") -> dict[str, SplitScore]:
-    return {name: evaluate_pairs(rm, pairs, batch_size, precision=precision) for name, _, pairs in evaluation_sets(splits, split)}
+    return {name: evaluate_pairs(rm, pairs, batch_size, precision=precision, label=f"scoring {name} ({split})")
+            for name, _, pairs in evaluation_sets(splits, split)}
 
 
 def split_results(

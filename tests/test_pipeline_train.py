@@ -84,11 +84,22 @@ def test_smoke_run_is_fully_recorded_on_a_tracking_server(tmp_path):
 
 
 @pytest.mark.slow
-def test_default_tracking_is_sqlite_in_the_working_directory(tmp_path):
-    result = run_pipeline("train.py", "--preset", "smoke", "--method", "confidence", "--no-ceiling", cwd=tmp_path)
+def test_default_tracking_is_sqlite_in_the_working_directory_and_long_stages_report_progress(tmp_path):
+    """A progress line every $ANCHOR_RM_PROGRESS_SECONDS (0 here: every step and batch) while the teacher and the
+    student train and while sets are scored: steps or responses done of all, the rate, the time left."""
+    import re
+
+    result = run_pipeline("train.py", "--preset", "smoke", "--method", "confidence", "--no-ceiling", cwd=tmp_path,
+                          env={"ANCHOR_RM_PROGRESS_SECONDS": "0"})
     assert result.returncode == 0, result.stderr[-3000:]
     assert (tmp_path / "mlflow.db").exists() and (tmp_path / "mlartifacts").is_dir()
     assert "PGR (ID): n/a" in result.stdout
+    log = result.stderr
+    training = re.findall(r"training: (\d+)/(\d+) steps \(\d+%\), [\d.]+ pairs/s(?:, about .+ left)?; epoch \d+/\d+, "
+                          r"loss [\d.]+", log)
+    assert len(training) >= 4 and training[-1][0] == training[-1][1], log[-3000:]  # teacher and student, to the end
+    assert re.search(r"scoring hh-helpful-base \(test\): \d+/\d+ responses \(\d+%\), [\d.]+ responses/s", log), log[-3000:]
+    assert re.search(r"teacher labels: \d+/\d+ responses", log), log[-3000:]
 
 
 def test_bad_source_file_gives_one_clear_line(tmp_path):

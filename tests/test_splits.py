@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import re
 import subprocess
 import sys
 
@@ -361,3 +362,24 @@ def test_the_calibration_share_comes_out_of_the_teachers_and_moves_no_student_or
         assert now[name] == before[name], name
     assert sorted(now["teacher_train"] + now["teacher_calibration"], key=pairs.index) == before["teacher_train"]
     assert now["teacher_calibration"] and not prompts(now["teacher_calibration"]) & prompts(now["teacher_train"])
+
+
+def test_progress_with_a_total_gives_the_share_the_rate_and_the_time_left(caplog, monkeypatch):
+    import logging
+
+    from anchor_rm import progress as p
+
+    with caplog.at_level(logging.INFO, logger="anchor_rm"):
+        steps = p.Progress("training", unit="steps", total=4, rate_unit="pairs", every_s=0.0)
+        steps.update(rated=8, note="epoch 1/2, loss 0.6900")
+        steps.update(3, rated=24)
+    lines = [r.getMessage() for r in caplog.records]
+    assert re.fullmatch(r"training: 1/4 steps \(25%\), [\d.]+ pairs/s, about .+ left; epoch 1/2, loss 0.6900", lines[0])
+    assert re.fullmatch(r"training: 4/4 steps \(100%\), [\d.]+ pairs/s", lines[1]), lines  # nothing left to estimate
+    assert [p.duration(s) for s in (4.4, 185, 7800)] == ["4 s", "3 min 5 s", "2 h 10 min"]
+    monkeypatch.setenv(p.INTERVAL_VARIABLE, "2.5")
+    assert p.Progress("x").every_s == 2.5
+    for bad in ("soon", "-1", "nan"):
+        monkeypatch.setenv(p.INTERVAL_VARIABLE, bad)
+        with pytest.raises(ValueError, match=f"ANCHOR_RM_PROGRESS_SECONDS={bad!r}: not a number of seconds >= 0"):
+            p.Progress("x")
