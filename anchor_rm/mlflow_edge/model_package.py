@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import json
 import re
+import shutil
+import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -56,24 +58,49 @@ class RewardModelPyfunc(mlflow.pyfunc.PythonModel):
         return pd.DataFrame({"reward": scored.rewards, "truncated": scored.truncated, **flag})
 
 
+# What a registered version needs to load and score, pinned to the versions it was logged with: the packages the
+# reward model and the scorer import (anchor_rm itself ships in the model's code_paths, not as a requirement).
+MODEL_REQUIREMENTS = ("torch", "transformers", "tokenizers", "safetensors", "peft", "numpy", "pandas", "pyarrow", "scipy",
+                      "jsonschema", "mlflow")
+# anchor_rm's own files that a version carries: the Python code and the report schema, not the shipped datasets.
+_CODE_FILES = ("*.py", "report_schema.json")
+
+
 def requirements() -> list[str]:
-    """The pip requirements a registered version records."""
+    """The pip requirements a registered version records: MODEL_REQUIREMENTS at the installed versions (a local
+    build label such as torch's +cpu dropped: which build pip takes follows its index)."""
     import importlib.metadata as md
 
-    names = ["torch", "transformers", "tokenizers", "safetensors", "mlflow", "pandas", "numpy"]
-    return [f"{n}=={md.version(n)}" for n in names] + ["anchor-rm"]
+    return [f"{name}=={md.version(name).split('+')[0]}" for name in MODEL_REQUIREMENTS]
+
+
+def package_code(into: Path) -> Path:
+    """A copy of the anchor_rm package's code (no data) under `into`/anchor_rm, for the model's code_paths."""
+    source = Path(__file__).resolve().parents[1]
+    target = Path(into) / "anchor_rm"
+    for pattern in _CODE_FILES:
+        for path in source.rglob(pattern):
+            if "__pycache__" in path.parts or "shipped_data" in path.relative_to(source).parts:
+                continue
+            destination = target / path.relative_to(source)
+            destination.parent.mkdir(parents=True, exist_ok=True)
+            shutil.copy2(path, destination)
+    return target
 
 
 def log_pyfunc(model_folder: str | Path, report_folder: str | Path):
-    """Logs the pyfunc model (reward model + report as artifacts) in the active run; MLflow's ModelInfo."""
-    return mlflow.pyfunc.log_model(
-        name="model",
-        python_model=RewardModelPyfunc(),
-        artifacts={REWARD_MODEL_ARTIFACT: str(model_folder), REPORT_ARTIFACT: str(report_folder)},
-        signature=SIGNATURE,
-        input_example=INPUT_EXAMPLE,
-        pip_requirements=requirements(),
-    )
+    """Logs the pyfunc model (reward model + report as artifacts) in the active run, as models from code
+    (anchor_rm/mlflow_edge/pyfunc_model.py) with the anchor_rm package as code_paths; MLflow's ModelInfo."""
+    with tempfile.TemporaryDirectory(prefix="anchor-rm-code-") as staging:
+        return mlflow.pyfunc.log_model(
+            name="model",
+            python_model=str(Path(__file__).with_name("pyfunc_model.py")),
+            code_paths=[str(package_code(Path(staging)))],
+            artifacts={REWARD_MODEL_ARTIFACT: str(model_folder), REPORT_ARTIFACT: str(report_folder)},
+            signature=SIGNATURE,
+            input_example=INPUT_EXAMPLE,
+            pip_requirements=requirements(),
+        )
 
 
 def _pyfunc_artifacts(folder: Path) -> dict:
