@@ -135,9 +135,12 @@ class RewardEncoder:
         return EncodedText(ids, types, mask, prompt_dropped, response_dropped)
 
 
-def collate(encoded: list[EncodedText], pad_token_id: int) -> dict[str, torch.Tensor]:
-    """Right-pads a batch to its own longest sequence (dynamic padding)."""
-    width = max(len(e.input_ids) for e in encoded)
+def collate(encoded: list[EncodedText], pad_token_id: int, width: int | None = None) -> dict[str, torch.Tensor]:
+    """Right-pads a batch to its own longest sequence (dynamic padding), or to `width` when given."""
+    longest = max(len(e.input_ids) for e in encoded)
+    if width is not None and width < longest:
+        raise ValueError(f"width {width} is shorter than the batch's longest sequence ({longest} tokens)")
+    width = width or longest
     n = len(encoded)
     input_ids = torch.full((n, width), pad_token_id, dtype=torch.long)
     attention_mask = torch.zeros((n, width), dtype=torch.long)

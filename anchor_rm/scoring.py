@@ -50,6 +50,46 @@ def encode_pairs(encoder: RewardEncoder, pairs: Sequence[PreferencePair]) -> Enc
     return EncodedPairs(chosen, rejected, kept, identical, truncated)
 
 
+# A sequence's reward depends on how wide its batch is padded: under bf16, 1.6e-4 on rewards up to 0.05 between a
+# text scored alone and with longer batch-mates (MiniLM-L6 on an Ice Lake CPU; 4e-8 in fp32; the number of rows
+# changed nothing: bench/batch_invariance.py, docs/serving.md). So scoring pads each sequence to the next multiple
+# of WIDTH_BUCKET tokens, a width that depends on the sequence alone, and batches it only with sequences of that
+# width: its reward no longer depends on what else is scored (7e-9 in both precisions), at no measured cost.
+WIDTH_BUCKET = 32
+# What a caller may rely on: |reward scored alone - the same pair scored with any batch-mates| at most this, in
+# fp32 and in bf16 (tests/test_batching.py asserts it on BERT and Llama models; measured on CPUs only).
+BATCH_INVARIANCE_BOUND = 1e-6
+
+
+def batch_invariance() -> dict:
+    """What /model says about batch-mates (docs/serving.md)."""
+    return {"width_bucket": WIDTH_BUCKET, "bound": BATCH_INVARIANCE_BOUND,
+            "how": f"each sequence is padded to the next multiple of {WIDTH_BUCKET} tokens and scored only with "
+                   "sequences of that width, so a reward does not depend on what else is in its batch; measured on "
+                   "CPUs (bench/batch_invariance.py), not on GPUs"}
+
+
+def bucket_width(length: int, cap: int, bucket: int = WIDTH_BUCKET) -> int:
+    """The next multiple of `bucket` from `length`, at most `cap` (the encoder's max length: no position past the
+    model's) unless the sequence itself is longer."""
+    return max(length, min(-(-length // bucket) * bucket, cap))
+
+
+def width_bucketed_batches(lengths: Sequence[int], batch_size: int, max_tokens: int | None, cap: int,
+                           bucket: int = WIDTH_BUCKET) -> list[tuple[int, list[int]]]:
+    """(padded width, batch) for every batch: each sequence padded to bucket_width(its length), batched only with
+    sequences of the same width (length_sorted_batches within each width, longest widths first)."""
+    by_width: dict[int, list[int]] = {}
+    for index, length in enumerate(lengths):
+        by_width.setdefault(bucket_width(length, cap, bucket), []).append(index)
+    batches = []
+    for width in sorted(by_width, reverse=True):
+        members = by_width[width]
+        for batch in length_sorted_batches([width] * len(members), batch_size, max_tokens):
+            batches.append((width, [members[i] for i in batch]))
+    return batches
+
+
 def length_sorted_batches(lengths: Sequence[int], batch_size: int, max_tokens: int | None = None) -> list[list[int]]:
     """Batches of similar length for inference: padding is where CPU time goes on HH (136-372 tokens). With
     `max_tokens`, a batch also holds at most that many tokens once padded (its longest sequence times its size):
@@ -218,16 +258,21 @@ class RewardScorer:
 
     `density` (anchor_rm/ood_flag.py): with a fitted one, `score` also returns each pair's ood score and
     in-domain flag, from the same forward pass (the last layer's states, caught by a hook).
+
+    `batch_invariant` (default): pad each sequence to its own width bucket (WIDTH_BUCKET) and batch it only with
+    sequences of that width, so that its reward does not depend on what else is scored with it; False: pad each
+    batch to its longest sequence (what bench/batch_invariance.py compares against).
     """
 
     def __init__(self, model, encoder: RewardEncoder, batch_size: int = 32, precision: str = "auto",
-                 max_tokens: int | None = None, density=None):
+                 max_tokens: int | None = None, density=None, batch_invariant: bool = True):
         self.model = model
         self.encoder = encoder
         self.batch_size = batch_size
         self.max_tokens = max_tokens  # per forward pass, padded (length_sorted_batches); None: batch_size alone
         self.precision = check_precision(precision)
         self.density = density  # ood_flag.DensityFit or None
+        self.batch_invariant = batch_invariant  # width buckets (WIDTH_BUCKET)
 
     @torch.inference_mode()
     def _forward(self, encoded: Sequence[EncodedText], hidden_states_hook: HiddenStatesHook | None,
@@ -246,10 +291,14 @@ class RewardScorer:
         device = next(self.model.parameters()).device
         last = self.model.config.num_hidden_layers
         progress = Progress(label, unit="responses", total=len(encoded), quiet_when_quick=True)
+        lengths = [len(e.input_ids) for e in encoded]
+        if self.batch_invariant:
+            plan = width_bucketed_batches(lengths, self.batch_size, self.max_tokens, self.encoder.max_length)
+        else:
+            plan = [(None, b) for b in length_sorted_batches(lengths, self.batch_size, self.max_tokens)]
         try:
-            for batch_indices in length_sorted_batches([len(e.input_ids) for e in encoded], self.batch_size,
-                                                       self.max_tokens):
-                batch = collate([encoded[i] for i in batch_indices], self.encoder.pad_token_id)
+            for width, batch_indices in plan:
+                batch = collate([encoded[i] for i in batch_indices], self.encoder.pad_token_id, width)
                 batch = {k: v.to(device) for k, v in batch.items()}
                 every_layer = hidden_states_hook is not None
                 with autocast(self.precision, device.type), fp32_reward_head(self.model), \

@@ -100,6 +100,8 @@ class ServedModel:
         return [len(encoder.encode(p, r).input_ids) for p, r in zip(prompts, responses)]
 
     def describe(self) -> dict[str, Any]:
+        from anchor_rm.scoring import batch_invariance
+
         return {
             "name": self.registered_name or self.resolved, "version": self.version, "alias": self.alias,
             "uri": self.uri, "resolved_uri": self.resolved, "run_id": self.run_id,
@@ -107,6 +109,7 @@ class ServedModel:
             "report_error": self.report_error, "base_model": self.base_model, "max_length": self.max_length,
             "precision": self.scorer.precision, "device": str(next(self.scorer.model.parameters()).device),
             "truncation_policy": TRUNCATION_POLICY, "loaded_at": self.loaded_at, "ood_flag": self.ood_flag_info(),
+            "batch_invariance": batch_invariance(),
         }
 
     def ood_flag_info(self) -> dict[str, Any]:

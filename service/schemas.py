@@ -161,6 +161,9 @@ class ModelInfo(BaseModel):
                                     "first CUDA GPU when there is one).")
     truncation_policy: str
     loaded_at: str
+    batch_invariance: dict[str, Any] = Field(description="width_bucket (tokens), bound (the largest difference between "
+                                                         "a reward scored alone and in any batch, in either precision) "
+                                                         "and how: each sequence padded to its own width bucket.")
     ood_flag: dict[str, Any] = Field(description="enabled (whether responses carry ood_score and in_domain); when "
                                                  "on, the fit: representation, fit_split, n_fit, dimensions, "
                                                  "components, shrinkage, threshold, threshold_quantile, "

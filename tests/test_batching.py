@@ -159,3 +159,45 @@ def test_mismatched_lengths_and_bad_batch_sizes_are_refused():
         ScoreBatcher(FakeModel(), max_batch_size=0)
     with pytest.raises(ValueError, match="2 prompts but 1 responses"):
         run(ScoreBatcher(FakeModel()).score(["a", "b"], ["c"]))
+
+
+# ---------------------------------------------------------------------------------------------------
+# A reward does not depend on its batch-mates (anchor_rm/scoring.py, WIDTH_BUCKET): what /model states.
+
+def _texts(n: int) -> list[tuple[str, str]]:
+    return [(f"Question {i}: how should I handle situation number {i}?",
+             ("Here is a careful answer with a reason. " * (1 + (7 * i) % 11)) + f"Item {i}.") for i in range(n)]
+
+
+def _largest_batch_effect(scorer, items) -> float:
+    import numpy as np
+
+    alone = np.array([scorer.score([p], [r]).rewards[0] for p, r in items])
+    together = scorer.score([p for p, _ in items], [r for _, r in items]).rewards
+    reversed_pairs = np.array([scorer.score([items[i][0], items[-1 - i][0]], [items[i][1], items[-1 - i][1]]).rewards[0]
+                               for i in range(len(items))])
+    return float(max(np.abs(alone - together).max(), np.abs(alone - reversed_pairs).max()))
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("precision", ["fp32", "bf16"])
+def test_a_reward_scored_alone_or_with_any_batch_mates_differs_by_at_most_the_stated_bound(precision,
+                                                                                          minilm_tokenizer):
+    """MiniLM-L6 (pretrained: under bf16 its rewards moved 1.6e-4 with the batch's padded width before the width
+    buckets) and a tiny Llama (the decoder students' architecture), texts of 10-150 tokens, in both precisions."""
+    import torch
+
+    from anchor_rm.encoding import RewardEncoder
+    from anchor_rm.scoring import BATCH_INVARIANCE_BOUND, RewardScorer, batch_invariance
+    from anchor_rm.workflow import load_pretrained
+    from helpers import tiny_llama
+
+    assert batch_invariance()["bound"] == BATCH_INVARIANCE_BOUND  # what /model states is what is asserted here
+    torch.manual_seed(0)
+    minilm = load_pretrained("minilm-l6", 256, 0)
+    llama = tiny_llama(minilm_tokenizer)
+    items = _texts(12)
+    for model, encoder in ((minilm.model, minilm.encoder), (llama, RewardEncoder(minilm_tokenizer, 256, decoder=True))):
+        model.eval()
+        effect = _largest_batch_effect(RewardScorer(model, encoder, 4, precision), items)
+        assert effect <= BATCH_INVARIANCE_BOUND, (type(model).__name__, precision, effect)

@@ -144,6 +144,8 @@ def test_model_and_report(store, http):
     assert info["max_length"] == MAX_LENGTH and "left" in info["truncation_policy"]
     assert info["precision"] == resolve_precision("auto")  # ANCHOR_RM_PRECISION unset: the hardware decides
     assert info["device"] == ("cuda:0" if torch.cuda.is_available() else "cpu")  # ANCHOR_RM_DEVICE unset: auto
+    invariance = info["batch_invariance"]  # what tests/test_batching.py asserts
+    assert (invariance["width_bucket"], invariance["bound"]) == (32, 1e-6) and "padded" in invariance["how"]
     density = store["scorers"]["1"].density
     flag = info["ood_flag"]
     assert flag["enabled"] is True and flag["threshold"] == pytest.approx(density.threshold, rel=1e-6)
