@@ -29,7 +29,7 @@ from typing import Any, Callable, Sequence
 
 import httpx
 
-from anchor_rm.scoring import conversation_to_pair, message_text
+from anchor_rm.model.scoring import conversation_to_pair, message_text
 
 RETRY_STATUSES = frozenset({503})
 
@@ -48,7 +48,7 @@ class BestOfN:
     ranking: list[int]  # candidate indices, best first
     best_index: int
     model: dict  # {"name", "version"} of the model that scored
-    # The OOD flag per candidate (anchor_rm/ood_flag.py); None entries where the service serves without one.
+    # The OOD flag per candidate (anchor_rm/model/ood_flag.py); None entries where the service serves without one.
     ood_score: list[float | None] | None = None
     in_domain: list[bool | None] | None = None
 
@@ -219,7 +219,7 @@ class TRLRewardFunction:
 
     Plain text: each (prompt, completion) is one pair. Conversational data (lists of {"role", "content"}
     messages): the prompt's messages plus the completion's assistant message are turned into a pair as
-    the service's /classify does (anchor_rm.scoring.conversation_to_pair).
+    the service's /classify does (anchor_rm.model.scoring.conversation_to_pair).
 
     The OOD flag comes through `on_scores`, called once per call with the `Scores` of every completion (rewards,
     ood_score, in_domain, ...), and `last_scores`: e.g. log the share of completions the reward model calls

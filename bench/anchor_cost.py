@@ -84,7 +84,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     if args.device not in ("cpu", "cuda"):
         parser.error(f"--device must be cpu or cuda, got {args.device!r}")
     args.variant_list = variants
-    from anchor_rm.precision import resolve_precision
+    from anchor_rm.model.precision import resolve_precision
 
     args.precision = resolve_precision(args.precision, args.device)
     return args
@@ -95,10 +95,11 @@ def run_one(args: argparse.Namespace, variant: str) -> dict:
     import numpy as np
     import torch
 
-    from anchor_rm.losses import resolve_anchor_layers
-    from anchor_rm.reference_cache import compute_reference_states
-    from anchor_rm.training import TrainConfig, train_reward_model
-    from anchor_rm.workflow import frozen_reference, load_pretrained
+    from anchor_rm.method.losses import resolve_anchor_layers
+    from anchor_rm.method.reference_cache import compute_reference_states
+    from anchor_rm.method.training import TrainConfig, train_reward_model
+    from anchor_rm.method.stages import frozen_reference
+    from anchor_rm.model.reward_model import load_pretrained
 
     method, layer_choice, cache, frozen_layers = VARIANTS[variant]
     device = torch.device(args.device)

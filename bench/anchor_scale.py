@@ -2,7 +2,7 @@
 loss is a mean over the hidden units of whatever model and layer it reads (MiniLM-L6's 384 small units, SmolLM2's
 576 after its final norm), so a lambda tuned for one student says nothing for another.
 
-Runs the calibration tune.py runs before its search (anchor_rm/lambda_scale.py: calibrate_lambda) on the default
+Runs the calibration tune.py runs before its search (anchor_rm/method/lambda_scale.py: calibrate_lambda) on the default
 protocol's split, the teacher's labels replaced by a fixed q (the scale of the drift, not its direction, is
 measured): --steps naive W2S steps, then on one batch lambda_grad = |grad W2S loss| / |grad anchor loss| at each
 layer choice (the anchor loss against the student's own pretrained states), and the drift on the probe's 64
@@ -48,12 +48,12 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 def main(argv=None) -> int:
     args = parse_args(argv)
-    from anchor_rm.config import preset
-    from anchor_rm.experiment import build_splits
-    from anchor_rm.lambda_scale import calibrate_lambda
-    from anchor_rm.precision import driver_device_type, resolve_precision
-    from anchor_rm.training import TrainConfig
-    from anchor_rm.workflow import load_student
+    from anchor_rm.pipeline.config import preset
+    from anchor_rm.pipeline.experiment import build_splits
+    from anchor_rm.method.lambda_scale import calibrate_lambda
+    from anchor_rm.model.precision import driver_device_type, resolve_precision
+    from anchor_rm.method.training import TrainConfig
+    from anchor_rm.method.stages import load_student
 
     cfg = preset("default", args.category)
     cfg.seed = args.seed

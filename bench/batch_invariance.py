@@ -1,5 +1,5 @@
 """How much a response's reward depends on what else is scored with it, per precision, with each batch padded to
-its longest sequence (dynamic) and with the width buckets scoring uses (anchor_rm/scoring.py, WIDTH_BUCKET), and
+its longest sequence (dynamic) and with the width buckets scoring uses (anchor_rm/model/scoring.py, WIDTH_BUCKET), and
 what the buckets cost.
 
     .venv/bin/python bench/batch_invariance.py                       # MiniLM-L6, fp32 and bf16
@@ -23,9 +23,9 @@ import time
 import numpy as np
 import torch
 
-from anchor_rm.precision import cpu_model
-from anchor_rm.scoring import WIDTH_BUCKET, RewardScorer
-from anchor_rm.workflow import load_pretrained
+from anchor_rm.model.precision import cpu_model
+from anchor_rm.model.scoring import WIDTH_BUCKET, RewardScorer
+from anchor_rm.model.reward_model import load_pretrained
 
 
 def texts(n: int) -> list[tuple[str, str]]:

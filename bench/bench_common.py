@@ -24,7 +24,7 @@ os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
 def machine() -> str:
     import torch
 
-    from anchor_rm.precision import describe_hardware
+    from anchor_rm.model.precision import describe_hardware
 
     gpu = torch.cuda.get_device_name(0) if torch.cuda.is_available() else "no GPU"
     return (f"{os.cpu_count()} cores ({describe_hardware('cpu')}), {gpu}, Python {platform.python_version()}, torch {torch.__version__} "
@@ -44,7 +44,7 @@ def peak_rss_mb() -> float:
 
 def source_splits(source: str, seed: int, max_pairs: dict[str, int]):
     """The source dataset's prompt-disjoint splits (no OOD targets), capped as the presets cap them."""
-    from anchor_rm.splits import build_protocol_splits
+    from anchor_rm.data.splits import build_protocol_splits
 
     return build_protocol_splits(source, [], seed, max_pairs=max_pairs)
 
@@ -169,16 +169,16 @@ def free_port() -> int:
 
 def bench_reward_model(model: str, max_length: int, seed: int):
     """`tiny` (a 2-layer, 32-wide BERT on MiniLM's vocabulary, random) or a pretrained model with a fresh head."""
-    from anchor_rm.workflow import load_pretrained
+    from anchor_rm.model.reward_model import load_pretrained
 
     if model != "tiny":
         return load_pretrained(model, max_length, seed=seed)
     import torch
     from transformers import BertConfig, BertForSequenceClassification
 
-    from anchor_rm.encoding import RewardEncoder
-    from anchor_rm.models import load_tokenizer, resolve_model
-    from anchor_rm.workflow import RewardModel
+    from anchor_rm.model.encoding import RewardEncoder
+    from anchor_rm.model.loading import load_tokenizer, resolve_model
+    from anchor_rm.model.reward_model import RewardModel
 
     tokenizer = load_tokenizer(resolve_model("minilm-l6"))
     torch.manual_seed(seed)
@@ -194,8 +194,8 @@ def register_versions(workdir: Path, model: str, max_length: int, name: str, see
     placeholder report; champion -> the first. Returns (tracking URI, {version: model folder})."""
     from anchor_rm.mlflow_edge import registry, runs
     from anchor_rm.mlflow_edge.store import configure
-    from anchor_rm.report import SplitResult, build_report
-    from anchor_rm.workflow import save_reward_model
+    from anchor_rm.evaluation.report import SplitResult, build_report
+    from anchor_rm.model.reward_model import save_reward_model
 
     uri = f"sqlite:///{workdir / 'mlflow.db'}"
     configure(uri, experiment)
@@ -282,8 +282,8 @@ def stop_service(proc) -> None:
 
 def load_pairs(limit: int = 400) -> list[tuple[str, str]]:
     """(prompt, response) pairs of HH helpful-base, both responses of each pair, none empty."""
-    from anchor_rm.catalog import load_dataset_pairs
-    from anchor_rm.splits import clean_pairs
+    from anchor_rm.data.catalog import load_dataset_pairs
+    from anchor_rm.data.splits import clean_pairs
 
     pairs = []
     for pair in clean_pairs(load_dataset_pairs("hh-helpful-base"))[0]:  # no empty responses: those get a 400

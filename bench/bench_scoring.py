@@ -2,7 +2,7 @@
 score), in pairs per second, fp32 against bf16 autocast (with the reward head in fp32), the two precisions
 `auto` chooses between (not a test).
 
-Both figures are `workflow.evaluate_pairs` itself (encode + score + accuracy) with `precision="fp32"` and
+Both figures are `scores.evaluate_pairs` itself (encode + score + accuracy) with `precision="fp32"` and
 `precision="bf16"`; on a CPU without native bf16 the bf16 column shows what emulation costs. A pair is two scored sequences (chosen and rejected). The
 model is first trained briefly on gold labels so that its rewards separate pairs, then the two precisions
 are compared on what they decide: accuracy, pairs whose verdict flips, largest reward difference.
@@ -49,10 +49,12 @@ def main(argv=None) -> int:
     args = parse_args(argv)
     import numpy as np
 
-    from anchor_rm.metrics import pairwise_accuracy
-    from anchor_rm.scoring import RewardScorer, encode_pairs
-    from anchor_rm.training import TrainConfig
-    from anchor_rm.workflow import evaluate_pairs, load_pretrained, train_on_pairs
+    from anchor_rm.evaluation.metrics import pairwise_accuracy
+    from anchor_rm.model.scoring import RewardScorer, encode_pairs
+    from anchor_rm.method.training import TrainConfig
+    from anchor_rm.evaluation.scores import evaluate_pairs
+    from anchor_rm.model.reward_model import load_pretrained
+    from anchor_rm.method.stages import train_on_pairs
 
     caps = {"id_test": args.test_pairs, **({"student_train": args.train_pairs} if args.train_pairs else {})}
     splits = source_splits(args.source, args.seed, caps)

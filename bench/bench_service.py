@@ -172,7 +172,7 @@ class PlainLoop:
         self.tokenizer.truncation_side = "left"
         self.model = AutoModelForSequenceClassification.from_pretrained(folder).eval().to(device)
         if cast_once:  # what the service does on a bf16 CPU (scoring.cast_matmul_weights_once)
-            from anchor_rm.scoring import cast_matmul_weights_once
+            from anchor_rm.model.scoring import cast_matmul_weights_once
 
             cast_matmul_weights_once(self.model, torch.bfloat16)
         self.pairs, self.max_length, self.precision = pairs, max_length, precision
@@ -183,7 +183,7 @@ class PlainLoop:
     def _score(self, prompt: str, response: str) -> None:
         import torch
 
-        from anchor_rm.precision import autocast
+        from anchor_rm.model.precision import autocast
 
         with torch.inference_mode(), autocast(self.precision, self.device.type):
             inputs = self.tokenizer(prompt, response, truncation=True, max_length=self.max_length, return_tensors="pt")
@@ -210,7 +210,7 @@ def main(argv=None) -> int:
     _, folders = register_versions(workdir, args.model, args.max_length, NAME, (0,), "bench-service")
     folder = next(iter(folders.values()))
     pairs = load_pairs()
-    from anchor_rm.workflow import load_saved
+    from anchor_rm.model.reward_model import load_saved
 
     rm = load_saved(folder)
     encoded = [rm.encoder.encode(p, r) for p, r in pairs]
@@ -223,7 +223,7 @@ def main(argv=None) -> int:
                f"{args.max_length}", "data": f"{len(pairs)} HH helpful-base pairs, mean {tokens:.0f} tokens after "
                f"truncation, {100 * truncated:.0f}% truncated", "pairs_per_request": args.pairs_per_request,
                "seconds_per_cell": args.seconds, "cells": []}
-    from anchor_rm.precision import resolve_precision
+    from anchor_rm.model.precision import resolve_precision
 
     import torch
 

@@ -5,7 +5,7 @@ the same batch size, max length, epochs, learning rate, schedule (linear, 10% wa
 gradient clipping, dropout (off) and precision (`--precision`, default auto: bf16 autocast on hardware with
 native bf16, else fp32), and are scored by the same scorer, in fp32, on the same ID test split. What differs is the
 training loop, and the attention kernel's precision on a CPU under bf16 autocast: ours computes SDPA attention in
-fp32 there (anchor_rm.precision.use_cpu_fp32_attention, for every model the project loads), TRL gets the model
+fp32 there (anchor_rm.model.precision.use_cpu_fp32_attention, for every model the project loads), TRL gets the model
 with transformers' own SDPA attention, as `from_pretrained` gives it (bf16 under autocast):
 
     ours-soft     our trainer on the teacher's soft labels q (the project's naive W2S)
@@ -85,14 +85,14 @@ def parse_args(argv=None) -> argparse.Namespace:
         parser.error(f"--trainers: unknown {unknown or 'empty'}; choose from {', '.join(TRAINERS)}")
     if args.learning_rate <= 0:
         parser.error(f"--learning-rate must be > 0, got {args.learning_rate}")
-    from anchor_rm.precision import resolve_precision
+    from anchor_rm.model.precision import resolve_precision
 
     args.precision = resolve_precision(args.precision)  # once, here: both trainers get the same
     return args
 
 
 def train_config(args: argparse.Namespace, **overrides):
-    from anchor_rm.training import TrainConfig
+    from anchor_rm.method.training import TrainConfig
 
     return TrainConfig(**{"method": "naive", "epochs": args.epochs, "batch_size": args.batch_size,
                           "learning_rate": args.learning_rate, "max_length": args.max_length, "seed": args.seed,
@@ -101,7 +101,8 @@ def train_config(args: argparse.Namespace, **overrides):
 
 def weak_labels(args: argparse.Namespace, splits) -> list[float]:
     """q per student-train pair: the teacher's P(chosen preferred), or 1.0 with --labels gold."""
-    from anchor_rm.workflow import load_pretrained, soft_labels, train_on_pairs
+    from anchor_rm.model.reward_model import load_pretrained
+    from anchor_rm.method.stages import soft_labels, train_on_pairs
 
     if args.labels == "gold":
         return [1.0] * len(splits.student_train)
@@ -117,7 +118,7 @@ def weak_labels(args: argparse.Namespace, splits) -> list[float]:
 def train_ours(args: argparse.Namespace, trainer: str, rm, encoded, q: list[float]) -> float:
     import torch
 
-    from anchor_rm.training import train_reward_model
+    from anchor_rm.method.training import train_reward_model
 
     targets = q if trainer.startswith("ours-soft") else [1.0 if p >= 0.5 else 0.0 for p in q]
     overrides = {"length_grouped": trainer != "ours-random"}
@@ -184,8 +185,8 @@ def train_trl(args: argparse.Namespace, trainer: str, rm, encoded, q: list[float
 
 
 def run_trainer(args: argparse.Namespace, trainer: str, splits, q: list[float]) -> dict:
-    from anchor_rm.metrics import pairwise_accuracy, tie_rate
-    from anchor_rm.workflow import load_pretrained
+    from anchor_rm.evaluation.metrics import pairwise_accuracy, tie_rate
+    from anchor_rm.model.reward_model import load_pretrained
 
     rm = load_pretrained(args.model, args.max_length, args.seed)  # the same weights and head for every trainer
     if trainer.startswith("trl") or trainer == "ours-bf16-attention":

@@ -70,7 +70,7 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 
 def _pairs(n: int, words: int):
-    from anchor_rm.data import PreferencePair
+    from anchor_rm.data.records import PreferencePair
 
     text = " ".join(f"w{i % 97}" for i in range(words))
     return [PreferencePair(f"question {i}: " + text[: words // 2], f"a good answer {i} " + text, f"a bad answer {i} " + text,
@@ -112,7 +112,7 @@ class Acceptance:
         import torch
         import torch.distributed as dist
 
-        from anchor_rm.precision import resolve_precision
+        from anchor_rm.model.precision import resolve_precision
 
         self.args, self.work = args, work
         self.device = torch.device("cuda", 0) if args.device == "cuda" else torch.device("cpu")
@@ -124,7 +124,7 @@ class Acceptance:
         self.shared: dict = {}
 
     def config(self, **fields):
-        from anchor_rm.training import TrainConfig
+        from anchor_rm.method.training import TrainConfig
 
         base = dict(method="anchor", anchor_lambda=1.0, epochs=1, batch_size=2, learning_rate=1e-5, max_length=64,
                     precision=self.precision, warmup_fraction=0.0)
@@ -133,7 +133,7 @@ class Acceptance:
     def precision_check(self) -> dict:
         import torch
 
-        from anchor_rm.precision import describe_hardware, native_bf16, resolve_precision
+        from anchor_rm.model.precision import describe_hardware, native_bf16, resolve_precision
 
         expected = "bf16" if native_bf16(self.device.type) else "fp32"
         result = {"device": describe_hardware(self.device.type), "auto": self.precision, "expected": expected}
@@ -148,8 +148,8 @@ class Acceptance:
         import torch
         from torch.distributed.tensor import DTensor
 
-        from anchor_rm.models import transformer_parts
-        from anchor_rm.sharded import load_pretrained_sharded
+        from anchor_rm.model.loading import transformer_parts
+        from anchor_rm.model.sharded import load_pretrained_sharded
 
         _reset_peak(self.device)
         model = load_pretrained_sharded(self.args.student, self.device, precision=self.precision)
@@ -163,10 +163,10 @@ class Acceptance:
                 "peak_gib_while_loading": round(_peak_bytes(self.device) / 2**30, 3)}
 
     def anchor_step_full(self) -> dict:
-        from anchor_rm.models import load_tokenizer, resolve_model
-        from anchor_rm.encoding import RewardEncoder
-        from anchor_rm.sharded import load_pretrained_sharded, save_sharded
-        from anchor_rm.training import train_reward_model
+        from anchor_rm.model.loading import load_tokenizer, resolve_model
+        from anchor_rm.model.encoding import RewardEncoder
+        from anchor_rm.model.sharded import load_pretrained_sharded, save_sharded
+        from anchor_rm.method.training import train_reward_model
 
         model = self.shared.get("sharded_student") or load_pretrained_sharded(self.args.student, self.device,
                                                                              precision=self.precision)
@@ -193,23 +193,23 @@ class Acceptance:
                 "loss": log.loss, "anchor_loss": log.anchor_loss, "grad_norm": log.grad_norm, "reward_dtype": rewards_dtype}
 
     def _encoded(self, encoder, n: int, words: int):
-        from anchor_rm.scoring import encode_pairs
+        from anchor_rm.model.scoring import encode_pairs
 
         return encode_pairs(encoder, _pairs(n, words))
 
     def _reward_dtype(self, model, encoder, encoded) -> str:
         import torch
 
-        from anchor_rm.encoding import collate
-        from anchor_rm.precision import autocast
-        from anchor_rm.scoring import fp32_reward_head, reward_forward
+        from anchor_rm.model.encoding import collate
+        from anchor_rm.model.precision import autocast
+        from anchor_rm.model.scoring import fp32_reward_head, reward_forward
 
         batch = {k: v.to(self.device) for k, v in collate(encoded.chosen, encoder.pad_token_id).items()}
         with torch.no_grad(), autocast(self.precision, self.device.type), fp32_reward_head(model):
             return str(reward_forward(model, batch).logits.dtype)
 
     def dcp_roundtrip(self) -> dict:
-        from anchor_rm.sharded import load_pretrained_sharded, load_sharded
+        from anchor_rm.model.sharded import load_pretrained_sharded, load_sharded
 
         if "dcp_folder" not in self.shared:
             return {"passed": False, "error": "needs anchor_step_full's checkpoint"}
@@ -222,9 +222,9 @@ class Acceptance:
     def anchor_step_lora(self) -> dict:
         import torch
 
-        from anchor_rm.lora import frozen_base_linears
-        from anchor_rm.training import train_reward_model
-        from anchor_rm.workflow import load_student
+        from anchor_rm.model.lora import frozen_base_linears
+        from anchor_rm.method.training import train_reward_model
+        from anchor_rm.method.stages import load_student
 
         config = self.config(strategy="fsdp2", lora_rank=16, lora_alpha=32.0, activation_checkpointing=True,
                              learning_rate=1e-3)
@@ -242,9 +242,9 @@ class Acceptance:
                 "grad_norm": log.grad_norm, "frozen_base_dtypes": base_dtypes, "reward_dtype": rewards_dtype}
 
     def lora_steps(self) -> dict:
-        from anchor_rm.memory_plan import model_shape, plan_memory
-        from anchor_rm.training import train_reward_model
-        from anchor_rm.workflow import load_student
+        from anchor_rm.method.memory_plan import model_shape, plan_memory
+        from anchor_rm.method.training import train_reward_model
+        from anchor_rm.method.stages import load_student
 
         args = self.args
         # one GPU, unsharded (DDP's path at one worker): what a LoRA trial on one GPU runs
@@ -285,11 +285,12 @@ class Acceptance:
     def reference_cache(self) -> dict:
         import torch
 
-        from anchor_rm.encoding import collate
-        from anchor_rm.precision import autocast
-        from anchor_rm.reference_cache import compute_reference_states
-        from anchor_rm.scoring import capture_hidden_states, reward_forward
-        from anchor_rm.workflow import frozen_reference, load_pretrained
+        from anchor_rm.model.encoding import collate
+        from anchor_rm.model.precision import autocast
+        from anchor_rm.method.reference_cache import compute_reference_states
+        from anchor_rm.model.scoring import capture_hidden_states, reward_forward
+        from anchor_rm.method.stages import frozen_reference
+        from anchor_rm.model.reward_model import load_pretrained
 
         rm = load_pretrained(self.args.student, 64, 0, meta=True)
         encoded = rm.encode(_pairs(4, 40))
@@ -314,8 +315,8 @@ class Acceptance:
         import numpy as np
         import torch
 
-        from anchor_rm.scoring import reward_head
-        from anchor_rm.workflow import load_pretrained, load_saved, save_reward_model
+        from anchor_rm.model.scoring import reward_head
+        from anchor_rm.model.reward_model import load_pretrained, load_saved, save_reward_model
         from service.holder import place_for_scoring
 
         folder = save_reward_model(load_pretrained(self.args.student, 256, 0), self.work / "served")
@@ -420,7 +421,7 @@ def _verdict(result: dict) -> str:
 def _machine(device: str) -> str:
     import torch
 
-    from anchor_rm.precision import cpu_model
+    from anchor_rm.model.precision import cpu_model
 
     if device == "cuda":
         props = torch.cuda.get_device_properties(0)

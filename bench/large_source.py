@@ -52,7 +52,7 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 def write_synthetic(path: Path, pairs: int) -> int:
     """`pairs` generic JSONL records from the shipped HH helpful-base pairs; returns the file's bytes."""
-    from anchor_rm.catalog import load_dataset_pairs
+    from anchor_rm.data.catalog import load_dataset_pairs
 
     shipped = load_dataset_pairs("hh-helpful-base")
     with open(path, "w") as f:
@@ -65,8 +65,9 @@ def write_synthetic(path: Path, pairs: int) -> int:
 
 def in_memory_splits(source: str, seed: int, caps: dict):
     """The baseline: every dataset read whole into a list, cleaned and split as lists."""
-    from anchor_rm.catalog import load_dataset_pairs
-    from anchor_rm.splits import SOURCE_FRACTIONS, ProtocolSplits, clean_pairs, prompt_group, split_by_prompt, subsample
+    from anchor_rm.data.catalog import load_dataset_pairs
+    from anchor_rm.data.splits import (SOURCE_FRACTIONS, ProtocolSplits, clean_pairs, prompt_group, split_by_prompt,
+                                       subsample)
 
     def capped(pairs, key, name):
         return subsample(pairs, caps[key], seed, f"{name}/{key}") if key in caps else pairs
@@ -85,12 +86,12 @@ def in_memory_splits(source: str, seed: int, caps: dict):
 def measure(source: str, max_length: int, loader: str) -> dict:
     """In this process: the protocol's splits of `source` (the default preset's caps) and the student's
     training pairs tokenised; seconds per stage and peak RSS."""
-    from anchor_rm.catalog import dataset_digest
-    from anchor_rm.config import preset
-    from anchor_rm.encoding import RewardEncoder
-    from anchor_rm.models import load_tokenizer, resolve_model
-    from anchor_rm.scoring import encode_pairs
-    from anchor_rm.splits import build_protocol_splits
+    from anchor_rm.data.catalog import dataset_digest
+    from anchor_rm.pipeline.config import preset
+    from anchor_rm.model.encoding import RewardEncoder
+    from anchor_rm.model.loading import load_tokenizer, resolve_model
+    from anchor_rm.model.scoring import encode_pairs
+    from anchor_rm.data.splits import build_protocol_splits
 
     cfg = preset("default")
     started = time.perf_counter()

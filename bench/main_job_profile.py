@@ -81,7 +81,7 @@ def trial_splits(tracking_uri: str) -> str:
     """A Markdown table of every trial run in the store: its start-up, training and validation seconds."""
     from mlflow.tracking import MlflowClient
 
-    from anchor_rm.mlflow_edge import keys
+    from anchor_rm.evaluation import keys
 
     if tracking_uri.startswith("sqlite:///") and not Path(tracking_uri[len("sqlite:///"):]).is_file():
         raise SystemExit(f"--tracking-uri {tracking_uri}: no such SQLite file (MLflow would create an empty store)")

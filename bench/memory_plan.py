@@ -1,4 +1,4 @@
-"""The memory plan (anchor_rm/memory_plan.py) against measured peaks on CPU (not a test).
+"""The memory plan (anchor_rm/method/memory_plan.py) against measured peaks on CPU (not a test).
 
 Each case trains a few steps in a fresh Python process and reports its peak resident memory (ru_maxrss: the
 whole process, as the plan's `overhead` counts it), beside the plan's estimate for the same model, batch,
@@ -37,9 +37,10 @@ def _child(case: str, steps: int, precision: str) -> dict:
 
     import torch
 
-    from anchor_rm.data import PreferencePair
-    from anchor_rm.training import TrainConfig, train_reward_model
-    from anchor_rm.workflow import frozen_reference, load_pretrained
+    from anchor_rm.data.records import PreferencePair
+    from anchor_rm.method.training import TrainConfig, train_reward_model
+    from anchor_rm.method.stages import frozen_reference
+    from anchor_rm.model.reward_model import load_pretrained
 
     torch.set_num_threads(2)
     model, pairs, length, rank, checkpointing, anchor = CASES[case]
@@ -61,8 +62,8 @@ def _child(case: str, steps: int, precision: str) -> dict:
 
 
 def _estimate(case: str, precision: str) -> dict:
-    from anchor_rm.memory_plan import model_shape, plan_memory
-    from anchor_rm.workflow import load_pretrained
+    from anchor_rm.method.memory_plan import model_shape, plan_memory
+    from anchor_rm.model.reward_model import load_pretrained
 
     model, pairs, length, rank, checkpointing, anchor = CASES[case]
     config = load_pretrained(model, length, seed=0).model.config
@@ -82,7 +83,7 @@ def main(argv=None) -> int:
     if args.child:
         print(json.dumps(_child(args.child, args.steps, args.precision)))
         return 0
-    from anchor_rm.precision import cpu_model
+    from anchor_rm.model.precision import cpu_model
 
     rows = []
     for case in args.cases.split(","):

@@ -1,4 +1,4 @@
-"""What the OOD flag costs in scoring time (anchor_rm/ood_flag.py), measured in one process (not a test).
+"""What the OOD flag costs in scoring time (anchor_rm/model/ood_flag.py), measured in one process (not a test).
 
 The same `RewardScorer` with and without the version's fitted density (what ANCHOR_RM_OOD_FLAG=1 / 0 serve),
 on the service's scoring shapes: one pair per call (one client) and 32 mixed-length HH pairs per call (a batch
@@ -39,9 +39,10 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 
 def fitted_model(precision: str):
-    from anchor_rm.catalog import load_dataset_pairs
-    from anchor_rm.splits import clean_pairs
-    from anchor_rm.workflow import fit_ood_flag, load_pretrained
+    from anchor_rm.data.catalog import load_dataset_pairs
+    from anchor_rm.data.splits import clean_pairs
+    from anchor_rm.evaluation.scores import fit_ood_flag
+    from anchor_rm.model.reward_model import load_pretrained
 
     rm = load_pretrained("minilm-l6", 192, seed=0)
     pairs = clean_pairs(load_dataset_pairs("pku-saferlhf"))[0]
@@ -60,7 +61,7 @@ def timed(scorer, calls: list[list[tuple[str, str]]]) -> float:
 
 def main(argv=None) -> int:
     args = parse_args(argv)
-    from anchor_rm.precision import resolve_precision
+    from anchor_rm.model.precision import resolve_precision
 
     precision = resolve_precision(args.precision)
     rm = fitted_model(precision)

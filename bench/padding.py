@@ -2,7 +2,7 @@
 
 What our trainer's length grouping saves over a random order, the part of `bench_trl.py`'s speed-up that
 comes from padding: the student-train pairs of each seed encoded as the trainer gets them, batched by
-`anchor_rm.training.epoch_batches` with `grouped` on and off, every batch padded to its longest sequence
+`anchor_rm.method.training.epoch_batches` with `grouped` on and off, every batch padded to its longest sequence
 (chosen and rejected go through one forward pass). Counts only; nothing is trained.
 
     .venv/bin/python bench/padding.py                      # bench_trl.py's defaults: 320 pairs, batch 16, 192 tokens
@@ -34,10 +34,10 @@ def main(argv=None) -> int:
     if not seeds:
         parser.error("--seeds is empty")
 
-    from anchor_rm.data import DataError
-    from anchor_rm.models import ModelError
-    from anchor_rm.training import epoch_batches
-    from anchor_rm.workflow import load_pretrained
+    from anchor_rm.data.records import DataError
+    from anchor_rm.model.loading import ModelError
+    from anchor_rm.method.training import epoch_batches
+    from anchor_rm.model.reward_model import load_pretrained
 
     rows = []
     for seed in seeds:

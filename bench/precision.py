@@ -6,7 +6,7 @@ Four parts, each in the same run so that ratios are taken on the same machine st
     attention  torch's SDPA kernel alone on MiniLM-L6's shape in a training batch (32 sequences x 12 heads x
                160 tokens x 32 dims, a padding mask): milliseconds forward and forward + backward in fp32 and
                in bf16 (median of --steps calls, alternating): why attention runs in fp32 under bf16 autocast on
-               a CPU (anchor_rm.precision.use_cpu_fp32_attention)
+               a CPU (anchor_rm.model.precision.use_cpu_fp32_attention)
     step       MiniLM-L6 forward + backward + fused AdamW on 16 pairs (32 sequences) x 128 tokens of HH
                helpful-base: seconds per step in fp32, under bf16 autocast (attention in fp32, as the project
                trains), and under bf16 autocast with bf16 attention (transformers' own SDPA); median of
@@ -109,11 +109,11 @@ def attention(calls: int) -> tuple[list[list[str]], dict]:
 def training_step(steps: int) -> tuple[list[list[str]], dict]:
     import torch
 
-    from anchor_rm.encoding import collate
-    from anchor_rm.precision import autocast
-    from anchor_rm.scoring import reward_forward
-    from anchor_rm.splits import build_protocol_splits
-    from anchor_rm.workflow import load_pretrained
+    from anchor_rm.model.encoding import collate
+    from anchor_rm.model.precision import autocast
+    from anchor_rm.model.scoring import reward_forward
+    from anchor_rm.data.splits import build_protocol_splits
+    from anchor_rm.model.reward_model import load_pretrained
 
     splits = build_protocol_splits("hh-helpful-base", [], 0, max_pairs={"student_train": 16})
     rm = load_pretrained("minilm-l6", 128, 0)
@@ -170,7 +170,7 @@ def smoke(repeats: int, precisions: list[str]) -> tuple[list[list[str]], dict]:
 
 def main(argv=None) -> int:
     args = parse_args(argv)
-    from anchor_rm.precision import resolve_precision
+    from anchor_rm.model.precision import resolve_precision
 
     print(f"machine: {machine()}; --precision auto -> {resolve_precision('auto')}\n", flush=True)
     record: dict = {"machine": machine(), "auto": resolve_precision("auto")}

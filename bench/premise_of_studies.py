@@ -1,4 +1,4 @@
-"""Was the failure ANCHOR targets there at all? The premise check (anchor_rm/premise.py) of every instance of
+"""Was the failure ANCHOR targets there at all? The premise check (anchor_rm/evaluation/premise.py) of every instance of
 recorded studies, from their study.json alone (not a test; the study's own tables.md carries the same table since
 session 30).
 
@@ -19,7 +19,7 @@ def main(argv=None) -> int:
     if not paths:
         print(__doc__, file=sys.stderr)
         return 2
-    from anchor_rm.premise import premise_table
+    from anchor_rm.evaluation.premise import premise_table
 
     for path in paths:
         try:

@@ -65,7 +65,7 @@ def child(kind: str, folder: str, uri: str, downloads: str, requests: int, max_l
 
     pairs = load_pairs()
     if kind == "plain loop":
-        from anchor_rm.precision import resolve_precision
+        from anchor_rm.model.precision import resolve_precision
 
         loop = PlainLoop(Path(folder), pairs, max_length, resolve_precision(precision, "cpu"))  # warmed on every pair
         times = per_request(lambda i: loop._score(*pairs[i % len(pairs)]), requests)
@@ -110,14 +110,14 @@ def main(argv=None) -> int:
     import httpx
     import torch
 
-    from anchor_rm.precision import resolve_precision
+    from anchor_rm.model.precision import resolve_precision
 
     args = parse_args(argv)
     if args.child:
         child(args.child, args.folder, args.uri, args.downloads, args.requests, args.max_length, args.precision)
         return 0
     workdir = Path(tempfile.mkdtemp(prefix="anchor-rm-breakdown-"))
-    from anchor_rm.models import ModelError
+    from anchor_rm.model.loading import ModelError
 
     try:
         uri, folders = register_versions(workdir, args.model, args.max_length, NAME, (0,), "bench-breakdown")

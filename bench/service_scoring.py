@@ -59,9 +59,9 @@ def _timed(function, calls: int) -> float:
 
 
 def one_variant(variant: str, folder: str, calls: int, requested: str) -> float:
-    from anchor_rm.precision import resolve_precision
+    from anchor_rm.model.precision import resolve_precision
     from service.holder import in_fresh_thread
-    from anchor_rm.workflow import load_saved
+    from anchor_rm.model.reward_model import load_saved
 
     def load():  # resolving the precision runs a matmul: part of loading, on the loading thread
         precision = resolve_precision(requested)
@@ -95,7 +95,7 @@ def threads(folder: str, calls: int, precision: str) -> list[list[str]]:
 def forward(folder: str, batches: int, precision: str) -> list[list[str]]:
     from bench_common import load_pairs
 
-    from anchor_rm.workflow import load_saved
+    from anchor_rm.model.reward_model import load_saved
 
     rm = load_saved(folder)
     pairs = load_pairs()
@@ -122,10 +122,10 @@ def main(argv=None) -> int:
     if args.one:
         print(one_variant(args.one, args.folder, args.calls, args.precision))
         return 0
-    from anchor_rm.precision import resolve_precision
+    from anchor_rm.model.precision import resolve_precision
 
     precision = resolve_precision(args.precision)
-    from anchor_rm.workflow import load_pretrained, save_reward_model
+    from anchor_rm.model.reward_model import load_pretrained, save_reward_model
 
     record = {"machine": machine(), "precision": precision}
     with tempfile.TemporaryDirectory() as tmp:

@@ -7,7 +7,7 @@
 
 Reads docs/results/harmless-5-seeds/study.json (the current protocol: harmless, 5 seeds) and
 docs/results/study.json (the previous protocol). Metrics, the validation pick of the 'tuned' rows and the
-paired t intervals are those of anchor_rm/study_report.py (model_metrics, rows_for, tuned, val_mean_nts,
+paired t intervals are those of anchor_rm/pipeline/study_report.py (model_metrics, rows_for, tuned, val_mean_nts,
 paired), so they are the figures tables.md shows. What the project has no function for is computed here:
 the covariance split of a variance over seeds, per-pair outcome counts, exact ties in the validation pick,
 a correlation over seeds.
@@ -41,8 +41,8 @@ from scipy.stats import spearmanr
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from anchor_rm import study_report as sr  # noqa: E402
-from anchor_rm.metrics import CHANCE, SIGNAL_STANDARD_ERRORS, accuracy_standard_error  # noqa: E402
+from anchor_rm.pipeline import study_tables as sr  # noqa: E402
+from anchor_rm.evaluation.metrics import CHANCE, SIGNAL_STANDARD_ERRORS, accuracy_standard_error  # noqa: E402
 
 STUDY = ROOT / "docs" / "results" / "harmless-5-seeds" / "study.json"
 PREVIOUS = ROOT / "docs" / "results" / "study.json"

@@ -1,10 +1,10 @@
 """A main-job trial's training steps in a Ray Train worker against the same steps in a plain process, with
-attention in fp32 (as the project trains under bf16 autocast on a CPU, anchor_rm.precision) and in bf16
+attention in fp32 (as the project trains under bf16 autocast on a CPU, anchor_rm.model.precision) and in bf16
 (transformers' own SDPA) (not a test).
 
 The steps are those of a trial of the default main job: its student-train split (PKU-SafeRLHF), 128 tokens, 16
 pairs a step in length-grouped batches, naive W2S on seeded soft labels (their values do not change the time),
-`--precision auto`, the student as `workflow.load_student` loads it. Each run trains one epoch over the split's
+`--precision auto`, the student as `stages.load_student` loads it. Each run trains one epoch over the split's
 first --steps x 16 pairs and times each step; the first is a warm-up and left out. Two places:
 
     plain   a child process of this script, no Ray, torch threads as a trial's worker gets them
@@ -62,8 +62,8 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 def student_train(seed: int = SEED):
     """(the default main job's protocol config, its student-train pairs)."""
-    from anchor_rm.config import tune_preset
-    from anchor_rm.splits import build_protocol_splits
+    from anchor_rm.pipeline.config import tune_preset
+    from anchor_rm.data.splits import build_protocol_splits
 
     cfg = tune_preset("default", "harmless")  # what `pipelines/tune.py` runs without arguments
     return cfg, build_protocol_splits(cfg.source, [], seed, max_pairs=cfg.max_pairs).student_train
@@ -74,9 +74,9 @@ def workload(steps: int):
     training, over the first `steps` batches' worth of its student-train pairs."""
     import numpy as np
 
-    from anchor_rm.precision import resolve_precision
-    from anchor_rm.training import TrainConfig
-    from anchor_rm.workflow import load_pretrained
+    from anchor_rm.model.precision import resolve_precision
+    from anchor_rm.method.training import TrainConfig
+    from anchor_rm.model.reward_model import load_pretrained
 
     cfg, pairs = student_train()
     train = cfg.student_train
@@ -96,8 +96,8 @@ def time_steps(student: str, encoded, labels, config, steps: int, attention: str
 
     import torch
 
-    from anchor_rm.training import train_reward_model
-    from anchor_rm.workflow import load_student
+    from anchor_rm.method.training import train_reward_model
+    from anchor_rm.method.stages import load_student
     from bench_common import _busy_seconds, tree_seconds_by_kind
 
     def own_seconds() -> float:

@@ -32,7 +32,7 @@ MLFLOW_TRACKING_URI / MLFLOW_REGISTRY_URI (unset: SQLite mlflow.db in the workin
                                                                          torch sees a GPU, else none; 0: none (the GPUs the
                                                                          process sees, as CUDA_VISIBLE_DEVICES set them)
     ANCHOR_RM_OOD_FLAG              1                                    each scored pair's ood_score and in_domain, from the
-                                                                         version's fitted density (anchor_rm/ood_flag.py);
+                                                                         version's fitted density (anchor_rm/model/ood_flag.py);
                                                                          0: rewards alone (the fields are null)
 
 The file uses the same names in lower case without the prefix (model_uri = "...", poll_seconds = 30). The

@@ -1,6 +1,6 @@
 """The model the service serves, without the HTTP framework: a reward model resolved from the MLflow registry
 (an alias or a version), a run or a folder, with its registry details and report; and a holder that swaps in
-a new version when the alias moves. Scoring goes through `RewardScorer.score` (anchor_rm/scoring.py), the
+a new version when the alias moves. Scoring goes through `RewardScorer.score` (anchor_rm/model/scoring.py), the
 path evaluation uses: same tokenisation, same truncation, same reward.
 """
 
@@ -52,7 +52,7 @@ def headline_metrics(tags: dict[str, str]) -> dict[str, float | str]:
 def _load_report(folder: Path, registered_name: str | None, version: str | None) -> tuple[dict | None, str | None]:
     """(report.json as a dict, None) or (None, why there is none). The report is validated on the way."""
     from anchor_rm.mlflow_edge import model_package, registry
-    from anchor_rm.report_files import read_report
+    from anchor_rm.evaluation.report_files import read_report
 
     path = model_package.find_report(folder)
     try:
@@ -70,7 +70,7 @@ def _load_report(folder: Path, registered_name: str | None, version: str | None)
 class ServedModel:
     """A loaded reward model and what the registry knows of it; immutable once loaded."""
 
-    scorer: Any  # anchor_rm.scoring.RewardScorer
+    scorer: Any  # anchor_rm.model.scoring.RewardScorer
     uri: str  # as configured, e.g. models:/anchor-rm-harmless@champion
     resolved: str  # models:/NAME/VERSION, runs:/..., or the folder
     registered_name: str | None
@@ -100,7 +100,7 @@ class ServedModel:
         return [len(encoder.encode(p, r).input_ids) for p, r in zip(prompts, responses)]
 
     def describe(self) -> dict[str, Any]:
-        from anchor_rm.scoring import batch_invariance
+        from anchor_rm.model.scoring import batch_invariance
 
         return {
             "name": self.registered_name or self.resolved, "version": self.version, "alias": self.alias,
@@ -135,8 +135,8 @@ def place_for_scoring(model, precision: str = "auto", device: str = "auto") -> s
     One path for the CPU and a GPU."""
     import torch
 
-    from anchor_rm.precision import resolve_precision
-    from anchor_rm.scoring import cast_matmul_weights_once
+    from anchor_rm.model.precision import resolve_precision
+    from anchor_rm.model.scoring import cast_matmul_weights_once
 
     if device == "auto":
         device = "cuda" if torch.cuda.is_available() else "cpu"
@@ -153,13 +153,13 @@ def place_for_scoring(model, precision: str = "auto", device: str = "auto") -> s
 def load_served_model(uri: str, download_dir: str | Path, batch_size: int = 32, precision: str = "auto",
                       device: str = "auto", max_tokens: int | None = None, ood_flag: bool = True) -> ServedModel:
     """Resolve `uri` (anchor_rm.evaluation.resolve_model_uri: registry, run or folder), load the reward model and
-    its tokenizer (workflow.load_saved) onto `device` (auto: the first CUDA GPU torch sees, else the CPU), read
+    its tokenizer (reward_model.load_saved) onto `device` (auto: the first CUDA GPU torch sees, else the CPU), read
     its report and headline figures. `precision` (auto | fp32 | bf16) is resolved here for that device, once
     per process, so that /model says what scores. `ood_flag`: score with the version's OOD flag, where it has
-    one (anchor_rm/ood_flag.py)."""
+    one (anchor_rm/model/ood_flag.py)."""
     from anchor_rm.mlflow_edge import registry
     from anchor_rm.mlflow_edge.model_package import parse_registry_uri, resolve_model_uri
-    from anchor_rm.workflow import load_saved
+    from anchor_rm.model.reward_model import load_saved
 
     resolved = resolve_model_uri(uri, download_dir)
     reward_model = load_saved(resolved.folder)

@@ -20,7 +20,7 @@ from typing import Any, Sequence
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from anchor_rm.scoring import conversation_to_pair, rank, sigmoid, split_transcript
+from anchor_rm.model.scoring import conversation_to_pair, rank, sigmoid, split_transcript
 from service.schemas import RequestError, ServingLimits, check_count, check_text
 
 # Clients send fields we do not use (vLLM's truncate_prompt_tokens, priority, ...): accepted and ignored,

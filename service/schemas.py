@@ -92,7 +92,7 @@ class ModelRef(BaseModel):
 
 
 OOD_SCORE_DOC = ("How unlike the model's training data (student-train) the pair's representation is: squared "
-                 "Mahalanobis distance per dimension, about 1 in domain (anchor_rm/ood_flag.py). null when the "
+                 "Mahalanobis distance per dimension, about 1 in domain (anchor_rm/model/ood_flag.py). null when the "
                  "version has no fitted flag or ANCHOR_RM_OOD_FLAG=0.")
 IN_DOMAIN_DOC = ("ood_score at most the version's threshold (GET /model: ood_flag.threshold, the 95th percentile "
                  "on ID validation). false says the pair is unlike the training data, not that its reward is "

@@ -10,12 +10,12 @@ framework-free modules beside it (schemas.py: requests, responses and their limi
 model and its reloads; guard.py: the ASGI guard) and in anchor_rm (scoring, batching); this file is the
 BentoML wiring.
 
-Public endpoints validate a request, then score its pairs through one `ScoreBatcher` (anchor_rm/batching.py):
+Public endpoints validate a request, then score its pairs through one `ScoreBatcher` (service/batching.py):
 the requests that arrive while a batch is being scored share the next batch, in this process, without a
 second HTTP hop. /metrics counts them: `anchor_rm_scored_pairs_total`, and `anchor_rm_batch_requests` (a
 histogram of requests per batch).
 
-Every scored pair carries the version's OOD flag (anchor_rm/ood_flag.py): `ood_score` and `in_domain`, in
+Every scored pair carries the version's OOD flag (anchor_rm/model/ood_flag.py): `ood_score` and `in_domain`, in
 each endpoint's own shape, from the same forward pass (ANCHOR_RM_OOD_FLAG=0 turns it off). /metrics exports
 `anchor_rm_ood_flagged_pairs_total`, `anchor_rm_ood_checked_pairs_total` and
 `anchor_rm_ood_flagged_fraction` (over the last 1,000 judged pairs): drift as a trainer's dashboard sees it.
@@ -42,9 +42,9 @@ import torch
 from bentoml.exceptions import ServiceUnavailable
 from starlette.responses import JSONResponse
 
-from anchor_rm import scoring
-from anchor_rm.batching import QueueTimeout, ScoreBatcher
-from anchor_rm.ood_flag import RECENT_PAIRS, RecentShare
+from anchor_rm.model import scoring
+from service.batching import QueueTimeout, ScoreBatcher
+from anchor_rm.model.ood_flag import RECENT_PAIRS, RecentShare
 from service import guard, holder, protocols, schemas
 from service.get_routes import GetRoutes
 from service.protocols import ClassifyRequest, RerankRequest, SampleRequest

@@ -59,7 +59,7 @@ def mlflow_uris_do_not_leak():
 
 @pytest.fixture(scope="session")
 def minilm_tokenizer():
-    from anchor_rm.models import load_tokenizer, resolve_model
+    from anchor_rm.model.loading import load_tokenizer, resolve_model
 
     return load_tokenizer(resolve_model("minilm-l6"))
 

@@ -293,16 +293,16 @@ def tiny_llama(tokenizer, seed: int = 0):
 
 
 def tiny_reward_model(tokenizer, seed: int = 0, max_length: int = 32, name: str = "tiny-bert"):
-    from anchor_rm.encoding import RewardEncoder
-    from anchor_rm.workflow import RewardModel
+    from anchor_rm.model.encoding import RewardEncoder
+    from anchor_rm.model.reward_model import RewardModel
 
     return RewardModel(tiny_bert(tokenizer, seed), tokenizer, RewardEncoder(tokenizer, max_length, decoder=False), name)
 
 
 def tiny_model_folder(path: Path, tokenizer, seed: int = 0, max_length: int = 32, name: str = "tiny-bert",
                       extra: dict | None = None) -> Path:
-    """The tiny reward model saved as a folder (workflow.save_reward_model)."""
-    from anchor_rm.workflow import save_reward_model
+    """The tiny reward model saved as a folder (reward_model.save_reward_model)."""
+    from anchor_rm.model.reward_model import save_reward_model
 
     return save_reward_model(tiny_reward_model(tokenizer, seed, max_length, name), path, extra)
 

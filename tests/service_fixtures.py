@@ -11,7 +11,7 @@ import subprocess
 import httpx
 import pytest
 
-from anchor_rm.report import SplitResult, build_report
+from anchor_rm.evaluation.report import SplitResult, build_report
 from helpers import ROOT, free_port, register_version, sqlite_store, tiny_model_folder, wait_http
 from service.config import serve_command
 
@@ -33,7 +33,7 @@ def served_report(mean_ood: float):
 
 def fit_pairs(n: int, offset: int = 0):
     """Short HH-like pairs the served model's OOD flag is fitted on (and thresholded on, with an offset)."""
-    from anchor_rm.data import PreferencePair
+    from anchor_rm.data.records import PreferencePair
 
     topics = ["eggs", "tea", "bread", "rain", "a bicycle", "the moon", "a cat", "soup", "a letter", "music"]
     return [PreferencePair(f"Human: how do I look after {topics[(i + offset) % 10]}?\n\nAssistant:",
@@ -47,7 +47,8 @@ def store(tmp_path_factory, minilm_tokenizer):
     an OOD flag (fitted as final_report fits it, on tiny fit pairs); version 2 none (a version registered
     before the flag existed)."""
     from anchor_rm.mlflow_edge.registry import set_alias
-    from anchor_rm.workflow import fit_ood_flag, load_saved
+    from anchor_rm.evaluation.scores import fit_ood_flag
+    from anchor_rm.model.reward_model import load_saved
 
     workdir = tmp_path_factory.mktemp("service")
     with sqlite_store(workdir, "service-http-tests") as uri:

@@ -49,7 +49,7 @@ def test_clean_errors_prints_an_mlflow_error_as_one_line(capsys, monkeypatch):
 def test_resume_of_a_misspelt_experiment_is_refused_not_started_afresh(tmp_path):
     import mlflow
 
-    from anchor_rm.mlflow_edge import keys
+    from anchor_rm.evaluation import keys
     from anchor_rm.mlflow_edge.store import configure
     from tuning.main_job import check_resumable
 
@@ -87,7 +87,7 @@ def test_a_negative_seed_is_refused_by_the_parser_naming_it():
     for text in ("-1", "x"):
         with pytest.raises(argparse.ArgumentTypeError, match="expected a whole number >= 0"):
             seed_number(text)
-    from anchor_rm.study import StudyConfig
+    from anchor_rm.pipeline.study import StudyConfig
 
     with pytest.raises(ValueError, match="seeds must be distinct whole numbers >= 0"):
         StudyConfig(seeds=[0, -1])
@@ -108,7 +108,7 @@ def test_a_bad_lambda_range_is_refused_naming_what_is_wrong():
 
 
 def test_a_study_folder_holding_another_studys_results_is_not_written_over(tmp_path):
-    from anchor_rm.study import StudyConfig, check_out_folder
+    from anchor_rm.pipeline.study import StudyConfig, check_out_folder
 
     study = StudyConfig(categories=["harmless"], seeds=[0, 1], lambdas=[1e-2])
     check_out_folder(tmp_path / "new", study)  # nothing there yet
@@ -143,7 +143,7 @@ def test_the_study_cli_refuses_to_write_over_another_study(tmp_path):
 def test_max_length_over_the_models_positions_is_refused_naming_the_limit():
     from transformers import BertConfig, RobertaConfig
 
-    from anchor_rm.models import ModelError, check_max_length, load_model_config, position_limit
+    from anchor_rm.model.loading import ModelError, check_max_length, load_model_config, position_limit
 
     minilm = load_model_config("minilm-l6")
     assert position_limit(minilm) == 512
@@ -158,7 +158,7 @@ def test_max_length_over_the_models_positions_is_refused_naming_the_limit():
 def test_a_classifier_with_two_outputs_is_refused_as_a_reward_model(tmp_path, minilm_tokenizer):
     from transformers import BertConfig, BertForSequenceClassification
 
-    from anchor_rm.models import ModelError, load_reward_model, resolve_model
+    from anchor_rm.model.loading import ModelError, load_reward_model, resolve_model
 
     config = BertConfig(vocab_size=minilm_tokenizer.vocab_size, hidden_size=32, num_hidden_layers=1,
                         num_attention_heads=2, intermediate_size=64, num_labels=2)
@@ -169,9 +169,9 @@ def test_a_classifier_with_two_outputs_is_refused_as_a_reward_model(tmp_path, mi
 
 
 def test_frozen_layers_over_an_anchored_layer_are_refused_with_the_plan_for_every_search_choice():
-    from anchor_rm.config import preset
-    from anchor_rm.losses import check_layer_settings
-    from anchor_rm.memory_plan import protocol_plans
+    from anchor_rm.pipeline.config import preset
+    from anchor_rm.method.losses import check_layer_settings
+    from anchor_rm.method.memory_plan import protocol_plans
 
     check_layer_settings(2, ["last", "middle"], 6)  # middle is [3, 5]
     with pytest.raises(ValueError, match=r"frozen_layers 3 would freeze anchored layer 3 \(anchor_layers 'middle' -> \[3, 5\]\)"):
@@ -204,7 +204,8 @@ def test_a_message_whose_text_is_not_a_string_is_a_400_naming_the_field(content,
 
 
 def test_a_chat_turn_that_is_not_a_message_names_the_file_line_and_field(tmp_path):
-    from anchor_rm.data import DataError, read_generic
+    from anchor_rm.data.records import DataError
+    from anchor_rm.data.readers import read_generic
 
     path = tmp_path / "pairs.jsonl"
     turn = {"role": "assistant", "content": "x"}
@@ -216,7 +217,8 @@ def test_a_chat_turn_that_is_not_a_message_names_the_file_line_and_field(tmp_pat
 
 
 def test_a_data_file_is_read_whatever_the_case_of_its_suffix_and_another_suffix_is_named(tmp_path):
-    from anchor_rm.data import DataError, read_generic
+    from anchor_rm.data.records import DataError
+    from anchor_rm.data.readers import read_generic
 
     upper = tmp_path / "pairs.JSONL"
     upper.write_text(json.dumps({"prompt": "p", "chosen": "a", "rejected": "b"}) + "\n")
@@ -263,8 +265,8 @@ def test_an_ood_fit_of_another_models_width_is_refused_when_the_model_loads(tmp_
 
     from helpers import tiny_reward_model
 
-    from anchor_rm.ood_flag import fit_density
-    from anchor_rm.workflow import load_saved, save_reward_model
+    from anchor_rm.model.ood_flag import fit_density
+    from anchor_rm.model.reward_model import load_saved, save_reward_model
 
     rm = tiny_reward_model(minilm_tokenizer, 0, 40)  # 32 wide
     rng = np.random.default_rng(0)

@@ -1,4 +1,4 @@
-"""The service's batcher (anchor_rm/batching.py): pure asyncio, no server."""
+"""The service's batcher (service/batching.py): pure asyncio, no server."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import time
 
 import pytest
 
-from anchor_rm.batching import QueueTimeout, ScoreBatcher
+from service.batching import QueueTimeout, ScoreBatcher
 
 
 class FakeModel:
@@ -162,7 +162,7 @@ def test_mismatched_lengths_and_bad_batch_sizes_are_refused():
 
 
 # ---------------------------------------------------------------------------------------------------
-# A reward does not depend on its batch-mates (anchor_rm/scoring.py, WIDTH_BUCKET): what /model states.
+# A reward does not depend on its batch-mates (anchor_rm/model/scoring.py, WIDTH_BUCKET): what /model states.
 
 def _texts(n: int) -> list[tuple[str, str]]:
     return [(f"Question {i}: how should I handle situation number {i}?",
@@ -187,9 +187,9 @@ def test_a_reward_scored_alone_or_with_any_batch_mates_differs_by_at_most_the_st
     buckets) and a tiny Llama (the decoder students' architecture), texts of 10-150 tokens, in both precisions."""
     import torch
 
-    from anchor_rm.encoding import RewardEncoder
-    from anchor_rm.scoring import BATCH_INVARIANCE_BOUND, RewardScorer, batch_invariance
-    from anchor_rm.workflow import load_pretrained
+    from anchor_rm.model.encoding import RewardEncoder
+    from anchor_rm.model.scoring import BATCH_INVARIANCE_BOUND, RewardScorer, batch_invariance
+    from anchor_rm.model.reward_model import load_pretrained
     from helpers import tiny_llama
 
     assert batch_invariance()["bound"] == BATCH_INVARIANCE_BOUND  # what /model states is what is asserted here

@@ -17,7 +17,7 @@ import httpx
 import pytest
 
 from anchor_rm.client import RewardClient, TRLRewardFunction
-from anchor_rm.scoring import sigmoid
+from anchor_rm.model.scoring import sigmoid
 from helpers import ROOT, free_port, register_version, sqlite_store, stop_process_group, tiny_model_folder
 from service.config import serve_command
 from service_fixtures import KEY, MAX_LENGTH, NAME, served_report
@@ -135,7 +135,7 @@ def test_the_package_client_and_a_trl_grpo_run_score_through_the_service(store, 
     from transformers import LlamaConfig, LlamaForCausalLM
     from trl import GRPOConfig, GRPOTrainer
 
-    from anchor_rm.models import load_tokenizer, resolve_model
+    from anchor_rm.model.loading import load_tokenizer, resolve_model
 
     with RewardClient(server["url"], api_key=KEY, timeout=60) as client:
         assert client.score([(HH_PROMPT, RESPONSE)]) == pytest.approx(_library(store, [HH_PROMPT], [RESPONSE]), abs=1e-5)

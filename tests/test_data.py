@@ -14,9 +14,10 @@ from pathlib import Path
 import pandas as pd
 import pytest
 
-from anchor_rm.catalog import CATEGORIES, DATASETS, dataset_digest, load_dataset_pairs, shipped_data_dir
-from anchor_rm.data import (DataError, PreferencePair, ReadStats, read_generic, read_hh_rlhf, read_hhh, read_hub,
-                            read_llmbar, read_pandalm, read_pku_saferlhf, read_safetext, read_ultrafeedback)
+from anchor_rm.data.catalog import CATEGORIES, DATASETS, dataset_digest, load_dataset_pairs, shipped_data_dir
+from anchor_rm.data.records import DataError, PreferencePair, ReadStats
+from anchor_rm.data.readers import (read_generic, read_hh_rlhf, read_hhh, read_hub, read_llmbar, read_pandalm,
+                                    read_pku_saferlhf, read_safetext, read_ultrafeedback)
 
 RAW_COUNTS = {
     "hh-helpful-base": 2354, "hh-helpful-online": 1137, "hh-helpful-rejection-sampled": 2749, "hh-harmless-base": 2312,
@@ -233,8 +234,8 @@ def test_generic_local_folder_goes_through_datasets(tmp_path):
 
 def test_unreachable_hub_name_is_a_data_error():
     # A subprocess: offline mode must be set before huggingface_hub is imported, or it retries for ~25 s.
-    code = ("from anchor_rm.catalog import load_dataset_pairs\n"
-            "from anchor_rm.data import DataError\n"
+    code = ("from anchor_rm.data.catalog import load_dataset_pairs\n"
+            "from anchor_rm.data.records import DataError\n"
             "try:\n    load_dataset_pairs('no-such-org-zz/no-such-dataset')\n"
             "except DataError as e:\n    print('DataError:', e)\n")
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1"}
@@ -404,7 +405,7 @@ def test_skip_invalid_skips_and_counts_bad_rows(tmp_path):
         read_generic(all_bad, "b", skip_invalid=True)
 
 
-# --- harmless targets from other sources: DiaSafety and XSTest (anchor_rm/safety_readers.py) ---------------------
+# --- harmless targets from other sources: DiaSafety and XSTest (anchor_rm/data/safety_readers.py) ---------------------
 
 
 def test_xstest_prefers_refusal_on_unsafe_prompts_and_compliance_on_safe_ones(shipped):
@@ -426,7 +427,7 @@ def test_diasafety_pairs_a_safe_reply_with_an_unsafe_one_of_the_same_context(shi
 
 
 def test_a_bad_diasafety_or_xstest_file_names_the_file_and_what_is_wrong(tmp_path):
-    from anchor_rm.safety_readers import iter_diasafety, iter_xstest
+    from anchor_rm.data.safety_readers import iter_diasafety, iter_xstest
 
     for name in ("train.json", "val.json"):
         write_lines(tmp_path / "dia" / name, ['[{"context": "hi", "response": "hello", "label": "Safe"}]'])

@@ -9,7 +9,7 @@ pytestmark = pytest.mark.slow
 
 @pytest.fixture(scope="module")
 def smollm2():
-    from anchor_rm.workflow import load_pretrained
+    from anchor_rm.model.reward_model import load_pretrained
 
     return load_pretrained("smollm2-135m", 96, seed=0)
 
@@ -51,7 +51,7 @@ def test_the_reward_is_read_at_the_token_the_anchor_mask_marks_when_it_is_the_pa
     response = "It is four, since two and two make four."
     whole = smollm2.encoder.encode("What is 2+2?", response)
     assert whole.input_ids[-2] == tok.pad_token_id  # "<|im_end|>", then "\n"
-    from anchor_rm.encoding import RewardEncoder
+    from anchor_rm.model.encoding import RewardEncoder
 
     # a budget one token short of the response: the prompt goes first, then the response's last token ("\n")
     encoder = RewardEncoder(tok, sum(whole.anchor_mask) - 1, decoder=True)

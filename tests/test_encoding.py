@@ -1,8 +1,8 @@
 import torch
 
-from anchor_rm.data import PreferencePair
-from anchor_rm.encoding import RewardEncoder, collate
-from anchor_rm.scoring import RewardScorer, encode_pairs
+from anchor_rm.data.records import PreferencePair
+from anchor_rm.model.encoding import RewardEncoder, collate
+from anchor_rm.model.scoring import RewardScorer, encode_pairs
 
 PROMPT = "Human: " + " ".join(f"word{i}" for i in range(300)) + " Assistant:"
 RESPONSE = "The capital of France is Paris."
@@ -23,7 +23,7 @@ def test_encoder_text_pair_layout(minilm_tokenizer):
 
 def test_a_last_layer_anchor_constrains_what_the_encoders_head_reads(minilm_tokenizer):
     """The head pools [CLS] alone: a student whose [CLS] state drifted, all else equal, pays an anchor term."""
-    from anchor_rm.losses import anchor_loss
+    from anchor_rm.method.losses import anchor_loss
 
     batch = collate([RewardEncoder(minilm_tokenizer, 64, decoder=False).encode("what is up", "not much")],
                     minilm_tokenizer.pad_token_id)
@@ -112,7 +112,7 @@ def test_a_reward_does_not_depend_on_its_batch(minilm_tokenizer, tiny_bert):
 def test_matmul_weights_cast_once_score_bit_for_bit_as_autocast_does_and_the_head_stays_fp32(minilm_tokenizer, tiny_bert):
     import copy
 
-    from anchor_rm.scoring import cast_matmul_weights_once, reward_head
+    from anchor_rm.model.scoring import cast_matmul_weights_once, reward_head
 
     enc = RewardEncoder(minilm_tokenizer, 64, decoder=False)
     model = tiny_bert(0).eval()

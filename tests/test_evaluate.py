@@ -1,4 +1,4 @@
-"""pipelines/evaluate.py and anchor_rm/evaluation.py: real tiny models, a real SQLite MLflow registry."""
+"""pipelines/evaluate.py and anchor_rm/pipeline/evaluate_any.py: real tiny models, a real SQLite MLflow registry."""
 
 import json
 import logging
@@ -25,21 +25,22 @@ def write_pairs(path: Path, n: int = 12, extra: list[str] | None = None) -> Path
 
 
 def cleaned(name):
-    from anchor_rm.catalog import load_dataset_pairs
-    from anchor_rm.splits import clean_pairs
+    from anchor_rm.data.catalog import load_dataset_pairs
+    from anchor_rm.data.splits import clean_pairs
 
     return clean_pairs(load_dataset_pairs(name))[0]
 
 
 def reward_model(model, tokenizer, name):
-    from anchor_rm.encoding import RewardEncoder
-    from anchor_rm.workflow import RewardModel
+    from anchor_rm.model.encoding import RewardEncoder
+    from anchor_rm.model.reward_model import RewardModel
 
     return RewardModel(model, tokenizer, RewardEncoder(tokenizer, 64, decoder=False), name)
 
 
 def accuracy_of(folder, pairs):
-    from anchor_rm.workflow import evaluate_pairs, load_saved
+    from anchor_rm.evaluation.scores import evaluate_pairs
+    from anchor_rm.model.reward_model import load_saved
 
     return evaluate_pairs(load_saved(folder), pairs).accuracy
 
@@ -83,7 +84,7 @@ def _registered_store(uri: str, root, minilm_tokenizer):
     import mlflow
 
     from anchor_rm.mlflow_edge import registry
-    from anchor_rm.report import SplitResult, build_report
+    from anchor_rm.evaluation.report import SplitResult, build_report
 
     experiment_id = mlflow.get_experiment_by_name("anchor-rm-test").experiment_id
     teacher_folder = tiny_model_folder(root / "teacher", minilm_tokenizer, 1, 64, "tiny-teacher", {"stage": "teacher"})
@@ -109,7 +110,7 @@ def _registered_store(uri: str, root, minilm_tokenizer):
 
 @pytest.fixture
 def student_folder(tmp_path, tiny_bert, minilm_tokenizer):
-    from anchor_rm.workflow import save_reward_model
+    from anchor_rm.model.reward_model import save_reward_model
 
     return save_reward_model(reward_model(tiny_bert(0), minilm_tokenizer, "tiny-student"), tmp_path / "student",
                              {"method": "anchor", "teacher": "tiny-teacher"})
@@ -131,7 +132,7 @@ def test_registered_alias_gets_teacher_columns_and_an_evaluation_run(store, tmp_
     import mlflow
     from mlflow.tracking import MlflowClient
 
-    from anchor_rm.catalog import dataset_digest
+    from anchor_rm.data.catalog import dataset_digest
 
     pairs_file = write_pairs(tmp_path / "pairs.jsonl")
     work = tmp_path / "work"
@@ -182,7 +183,7 @@ def test_registered_alias_gets_teacher_columns_and_an_evaluation_run(store, tmp_
 # The command line in this process.
 
 def test_local_folder_on_a_jsonl_file(student_folder, tmp_path, capsys):
-    from anchor_rm.report_files import read_report
+    from anchor_rm.evaluation.report_files import read_report
 
     # Two more lines: an exact repeat and a pair with identical responses; cleaning drops and counts both.
     first = json.loads(write_pairs(tmp_path / "x.jsonl", 1).read_text())
@@ -307,9 +308,9 @@ def test_argument_mistakes(student_folder, tmp_path, capsys):
 # The library functions.
 
 def test_score_sets_marks_the_id_set_and_matches_evaluate_pairs(tiny_bert, minilm_tokenizer, tmp_path):
-    from anchor_rm.evaluation import evaluation_premise, evaluation_report, load_evaluation_set, score_sets
-    from anchor_rm.report_files import read_report, write_report
-    from anchor_rm.workflow import evaluate_pairs
+    from anchor_rm.pipeline.evaluate_any import evaluation_premise, evaluation_report, load_evaluation_set, score_sets
+    from anchor_rm.evaluation.report_files import read_report, write_report
+    from anchor_rm.evaluation.scores import evaluate_pairs
 
     student = reward_model(tiny_bert(0), minilm_tokenizer, "s")
     teacher = reward_model(tiny_bert(1), minilm_tokenizer, "t")
@@ -338,8 +339,8 @@ def test_score_sets_marks_the_id_set_and_matches_evaluate_pairs(tiny_bert, minil
         score_sets(student, sets, id_name="nope")
 
     # With an OOD flag, the same pass measures it on every set, against the validation responses of its fit.
-    from anchor_rm.ood_flag import measure_sets
-    from anchor_rm.workflow import fit_ood_flag
+    from anchor_rm.model.ood_flag import measure_sets
+    from anchor_rm.evaluation.scores import fit_ood_flag
 
     fit_ood_flag(student, sets[0].pairs, sets[0].pairs[:10], fit_split="student_train", threshold_split="a/val")
     flagged_rows, flagged, _ = score_sets(student, sets, teacher=teacher, id_name=sets[0].name)
@@ -355,7 +356,7 @@ def test_reward_model_folder_reads_a_pyfunc_model(store, tmp_path):
     import mlflow
 
     from anchor_rm.mlflow_edge.model_package import reward_model_folder
-    from anchor_rm.models import ModelError
+    from anchor_rm.model.loading import ModelError
 
     local = Path(mlflow.artifacts.download_artifacts(artifact_uri=f"models:/{REGISTERED}/1",
                                                      dst_path=str(tmp_path / "dl")))

@@ -139,7 +139,7 @@ def test_connecting_to_another_store_moves_the_registry_with_it(tmp_path, monkey
 
 
 def test_a_stage_runs_once_per_input_digest_and_is_read_back_after(sqlite_experiment, tmp_path, monkeypatch):
-    from anchor_rm.mlflow_edge.keys import cache_key
+    from anchor_rm.evaluation.keys import cache_key
     from anchor_rm.mlflow_edge.runs import stage_run
 
     scratch = tmp_path / "tmp"
@@ -249,7 +249,7 @@ def test_a_checkpoint_during_an_outage_keeps_training_going_and_its_values_arriv
 
 def test_a_version_that_fails_after_it_exists_is_removed(sqlite_experiment, tmp_path, minilm_tokenizer, monkeypatch):
     from anchor_rm.mlflow_edge import registry
-    from anchor_rm.report import SplitResult, build_report
+    from anchor_rm.evaluation.report import SplitResult, build_report
     from helpers import tiny_model_folder
 
     folder = tiny_model_folder(tmp_path / "model", minilm_tokenizer)
@@ -316,7 +316,7 @@ def test_the_selected_checkpoint_is_registered_without_what_only_training_reads(
 
 
 def test_the_selection_summary_says_whether_the_winner_is_distinguishable_from_naive_w2s():
-    from anchor_rm.report_files import _selection_lines
+    from anchor_rm.evaluation.report_files import _selection_lines
     from tuning.final import selection_summary
 
     naive = TrialOutcome("n", {"method": "naive", "anchor_lambda": None, "anchor_layers": None}, 1.0, 60.0, 2, "ckpt")
@@ -423,7 +423,7 @@ def test_the_nts_lambda_chart_draws_nts_and_the_drift_removed_against_lambda(tmp
 
 
 def test_a_token_budget_bounds_each_forward_pass_and_keeps_every_sequence_once():
-    from anchor_rm.scoring import length_sorted_batches
+    from anchor_rm.model.scoring import length_sorted_batches
 
     lengths = [10, 500, 30, 120, 120, 2000, 64, 64, 64, 64, 7]
     plain = length_sorted_batches(lengths, 4)

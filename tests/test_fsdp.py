@@ -36,7 +36,7 @@ def test_two_fsdp2_workers_train_as_one_process_does_and_their_checkpoint_contin
     """Two epochs of 2 steps: two workers against one process (every gradient of the first step and the parameters
     after it; the gradient norm of every step; the parameters at the end); the workers' checkpoint of their first epoch then
     continued by one process, read whole, and exported to an ordinary folder."""
-    from anchor_rm.workflow import export_checkpoint, load_saved
+    from anchor_rm.model.reward_model import export_checkpoint, load_saved
 
     alone_steps, alone = _run(tmp_path / "alone", "ddp", 1, lora, "--epochs", "2")
     sharded_steps, sharded = _run(tmp_path / "sharded", "fsdp2", 2, lora, "--epochs", "2", "--checkpoint")
@@ -105,9 +105,9 @@ def test_a_lora_tune_run_sharded_over_two_workers_resumes_and_registers_a_versio
     import numpy as np
     from mlflow.tracking import MlflowClient
 
-    from anchor_rm.mlflow_edge import keys
-    from anchor_rm.models import load_tokenizer, resolve_model
-    from anchor_rm.workflow import load_saved
+    from anchor_rm.evaluation import keys
+    from anchor_rm.model.loading import load_tokenizer, resolve_model
+    from anchor_rm.model.reward_model import load_saved
     from helpers import assert_history_explained, run_pipeline, sqlite_store, tiny_llama
     import httpx
 

@@ -13,10 +13,10 @@ import resource
 import pytest
 import torch
 
-from anchor_rm import precision
-from anchor_rm.data import PreferencePair
-from anchor_rm.encoding import RewardEncoder
-from anchor_rm.training import TrainConfig, train_reward_model
+from anchor_rm.model import precision
+from anchor_rm.data.records import PreferencePair
+from anchor_rm.model.encoding import RewardEncoder
+from anchor_rm.method.training import TrainConfig, train_reward_model
 from helpers import ROOT, free_port, tiny_llama
 
 pytestmark = pytest.mark.timeout(120)
@@ -80,7 +80,7 @@ def test_fp32_on_a_gpu_computes_its_matmuls_in_tf32(fake_cuda, monkeypatch):
 
 def test_trials_on_gpus_get_the_requested_precision_and_trials_on_cpus_the_drivers():
     from tuning.trainable import SharedPayload, _train_config
-    from anchor_rm.config import preset
+    from anchor_rm.pipeline.config import preset
 
     cfg = preset("smoke")
     cfg.resolve_precision("auto")
@@ -108,7 +108,8 @@ def test_the_final_evaluation_and_the_reference_cache_run_on_the_drivers_gpu(fak
                                                                              llama_folder):
     """Models are moved to the driver's device (recorded: this CPU has none); a live reference is not loaded at all."""
     import tuning.final as final
-    from anchor_rm import workflow
+    from anchor_rm.method import stages
+    from anchor_rm.model import loading, reward_model
 
     moved = []
     real_to = torch.nn.Module.to
@@ -127,14 +128,14 @@ def test_the_final_evaluation_and_the_reference_cache_run_on_the_drivers_gpu(fak
     assert moved == ["load_saved:cuda"]
 
     moved.clear()
-    rm = workflow.load_pretrained(str(llama_folder), 32, 0, meta=True)  # encoding and shape: no weights read
+    rm = reward_model.load_pretrained(str(llama_folder), 32, 0, meta=True)  # encoding and shape: no weights read
     assert next(rm.model.parameters()).is_meta
     loaded = []
-    monkeypatch.setattr(workflow, "frozen_reference", lambda name, device: loaded.append(device) or
-                        workflow.load_reward_model(workflow.resolve_model(name)).eval())
-    assert workflow.reference_states(str(llama_folder), rm, _pairs(), ["last"], precision="fp32", cache="live") is None
+    monkeypatch.setattr(stages, "frozen_reference", lambda name, device: loaded.append(device) or
+                        loading.load_reward_model(loading.resolve_model(name)).eval())
+    assert stages.reference_states(str(llama_folder), rm, _pairs(), ["last"], precision="fp32", cache="live") is None
     assert loaded == []  # live: every trial loads its own; the driver loads nothing
-    states = workflow.reference_states(str(llama_folder), rm, _pairs(), ["last"], precision="fp32", cache="ram")
+    states = stages.reference_states(str(llama_folder), rm, _pairs(), ["last"], precision="fp32", cache="ram")
     assert loaded == ["cuda"] and states.num_pairs == len(rm.encode(_pairs()))
 
 
@@ -143,9 +144,9 @@ def test_the_final_evaluation_and_the_reference_cache_run_on_the_drivers_gpu(fak
 def test_an_8b_student_is_sharded_on_the_meta_device_before_any_weight_exists_and_the_plan_counts_its_load(process_group):
     from transformers import AutoConfig, AutoModelForSequenceClassification
 
-    from anchor_rm.memory_plan import model_shape, plan_memory
-    from anchor_rm.models import KNOWN_ARCHITECTURES
-    from anchor_rm.sharded import is_sharded, shard_model
+    from anchor_rm.method.memory_plan import model_shape, plan_memory
+    from anchor_rm.model.loading import KNOWN_ARCHITECTURES
+    from anchor_rm.model.sharded import is_sharded, shard_model
 
     fields = dict(KNOWN_ARCHITECTURES["meta-llama/Llama-3.1-8B"])
     config = AutoConfig.for_model(fields.pop("model_type"), num_labels=1, **fields)
@@ -167,8 +168,8 @@ def test_an_8b_student_is_sharded_on_the_meta_device_before_any_weight_exists_an
 def test_a_student_loaded_sharded_holds_the_pretrained_weights_and_buffers(process_group, llama_folder):
     from torch.distributed.tensor import DTensor
 
-    from anchor_rm.models import load_reward_model, resolve_model
-    from anchor_rm.sharded import load_pretrained_sharded
+    from anchor_rm.model.loading import load_reward_model, resolve_model
+    from anchor_rm.model.sharded import load_pretrained_sharded
 
     torch.manual_seed(3)
     whole = load_reward_model(resolve_model(str(llama_folder)))
@@ -181,9 +182,9 @@ def test_a_student_loaded_sharded_holds_the_pretrained_weights_and_buffers(proce
 
 
 def test_fsdp2_shards_at_one_worker_and_needs_a_process_group(llama_folder, minilm_tokenizer):
-    from anchor_rm.models import load_reward_model, resolve_model
-    from anchor_rm.scoring import encode_pairs
-    from anchor_rm.sharded import is_sharded
+    from anchor_rm.model.loading import load_reward_model, resolve_model
+    from anchor_rm.model.scoring import encode_pairs
+    from anchor_rm.model.sharded import is_sharded
 
     encoded = encode_pairs(RewardEncoder(minilm_tokenizer, 32, decoder=True), _pairs())
     config = TrainConfig(method="naive", epochs=1, batch_size=8, precision="fp32", strategy="fsdp2")
@@ -203,9 +204,9 @@ def test_fsdp2_shards_at_one_worker_and_needs_a_process_group(llama_folder, mini
 # 5. A LoRA student's frozen base in bf16.
 
 def test_a_lora_students_frozen_base_is_held_in_bf16_where_it_computes_bf16(llama_folder, minilm_tokenizer):
-    from anchor_rm.lora import frozen_base_linears
-    from anchor_rm.scoring import encode_pairs, reward_head
-    from anchor_rm.workflow import load_student
+    from anchor_rm.model.lora import frozen_base_linears
+    from anchor_rm.model.scoring import encode_pairs, reward_head
+    from anchor_rm.method.stages import load_student
 
     rm = load_student(str(llama_folder), TrainConfig(lora_rank=4, precision="bf16", max_length=32), "cpu")
     base = {id(layer.weight) for layer in frozen_base_linears(rm.model)}
@@ -225,8 +226,8 @@ def test_a_lora_students_frozen_base_is_held_in_bf16_where_it_computes_bf16(llam
 
 
 def test_the_plan_holds_a_lora_base_in_bf16():
-    from anchor_rm.memory_plan import model_shape, plan_memory
-    from anchor_rm.models import load_model_config
+    from anchor_rm.method.memory_plan import model_shape, plan_memory
+    from anchor_rm.model.loading import load_model_config
 
     shape = model_shape(load_model_config("meta-llama/Llama-3.1-8B"))
     common = dict(batch_size=16, max_length=1024, lora_rank=16, activation_checkpointing=True, device="cuda")
@@ -238,7 +239,8 @@ def test_the_plan_holds_a_lora_base_in_bf16():
 # 6. LoRA checkpoints: the adapters and the head, merged once when exported.
 
 def test_a_lora_training_checkpoint_holds_adapters_alone_and_exports_merged(tmp_path, llama_folder):
-    from anchor_rm.workflow import export_checkpoint, load_saved, load_student, save_reward_model
+    from anchor_rm.model.reward_model import export_checkpoint, load_saved, save_reward_model
+    from anchor_rm.method.stages import load_student
 
     rm = load_student(str(llama_folder), TrainConfig(lora_rank=4, precision="fp32", max_length=32), "cpu")
     with torch.no_grad():  # trained adapters: not the zeros they start at
@@ -324,8 +326,8 @@ def test_a_checkpoints_training_state_is_read_onto_the_cpu(tmp_path, monkeypatch
 # 13. The reward is read where the anchor mask marks it, with pad = EOS.
 
 def test_a_decoder_whose_last_token_is_the_pad_token_is_read_at_that_token(minilm_tokenizer):
-    from anchor_rm.encoding import collate
-    from anchor_rm.scoring import reward_forward
+    from anchor_rm.model.encoding import collate
+    from anchor_rm.model.scoring import reward_forward
 
     model = tiny_llama(minilm_tokenizer).eval()
     pad = minilm_tokenizer.pad_token_id
@@ -348,7 +350,7 @@ def test_a_decoder_whose_last_token_is_the_pad_token_is_read_at_that_token(minil
 # 14. A container's memory limit; gated MLPs found by their modules.
 
 def test_the_memory_limit_is_the_containers_where_it_is_lower(tmp_path):
-    from anchor_rm.memory_plan import cgroup_memory_limit
+    from anchor_rm.method.memory_plan import cgroup_memory_limit
 
     (tmp_path / "v2" / "pod").mkdir(parents=True)
     (tmp_path / "v2" / "memory.max").write_text("max\n")
@@ -367,7 +369,7 @@ def test_the_memory_limit_is_the_containers_where_it_is_lower(tmp_path):
 def test_gated_mlps_are_found_by_their_gate_projection(model_type, gated):
     from transformers import AutoConfig, AutoModelForSequenceClassification
 
-    from anchor_rm.memory_plan import has_gated_mlp
+    from anchor_rm.method.memory_plan import has_gated_mlp
 
     config = AutoConfig.for_model(model_type, num_hidden_layers=1, hidden_size=64, intermediate_size=128, n_embd=64,
                                   n_layer=1, n_head=4, num_attention_heads=4, num_key_value_heads=2, vocab_size=100,

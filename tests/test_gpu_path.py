@@ -88,7 +88,7 @@ def test_the_gpu_acceptance_script_passes_every_check_that_applies_on_a_cpu(tmp_
     work before a GPU exists (each check's pass/fail in one JSON; the GPU-only one says it was skipped)."""
     import json
 
-    from anchor_rm.models import load_tokenizer, resolve_model
+    from anchor_rm.model.loading import load_tokenizer, resolve_model
     from helpers import tiny_llama
 
     # A tiny Llama with SmolLM2's tokenizer and chat template: the script's code paths at a fraction of SmolLM2's

@@ -8,10 +8,11 @@ import re
 
 import pytest
 
-from anchor_rm import data
-from anchor_rm.catalog import HUB_ONLY, data_schema, hub_originals, load_dataset_pairs
-from anchor_rm.data import DataError, ReadStats, iter_helpsteer3, read_helpsteer3
-from anchor_rm.splits import clean_pairs
+from anchor_rm.data import readers, records
+from anchor_rm.data.catalog import HUB_ONLY, data_schema, hub_originals, load_dataset_pairs
+from anchor_rm.data.records import DataError, ReadStats
+from anchor_rm.data.readers import iter_helpsteer3, read_helpsteer3
+from anchor_rm.data.splits import clean_pairs
 
 
 def user(text: str) -> dict:
@@ -79,8 +80,8 @@ def test_invalid_json_line_is_named(tmp_path):
 
 
 def test_hub_rows_parse_with_the_registered_parser():
-    parse = data._HUB_PARSERS[iter_helpsteer3]
-    assert parse is data.helpsteer3_pair and data._HUB_PARSERS[read_helpsteer3] is parse
+    parse = readers._HUB_PARSERS[iter_helpsteer3]
+    assert parse is records.helpsteer3_pair and readers._HUB_PARSERS[read_helpsteer3] is parse
     pair = parse(ROWS[1], "helpsteer3", "hub row 0", {"source_index": 0})
     assert (pair.prompt, pair.chosen, pair.rejected) == ("Add 1 and 1", "2", "3")
     with pytest.raises(DataError, match="hub row 0: field 'overall_preference' must be one of"):
@@ -102,7 +103,7 @@ def test_catalog_reads_it_from_the_hub_only(monkeypatch):
         loaded.append((name, split, dict(load_kwargs)))
         return ((f"hub row {i}", {"source_index": i}, row) for i, row in enumerate(ROWS))
 
-    monkeypatch.setattr(data, "_iter_hub", fake_hub)
+    monkeypatch.setattr(readers, "_iter_hub", fake_hub)
     pairs = load_dataset_pairs("helpsteer3", from_hub=True)
     assert loaded == [("nvidia/HelpSteer3", "train", {"name": "preference"})]
     assert [p.chosen for p in pairs] == ["Hi!", "2", "A", "Green."]

@@ -1,17 +1,18 @@
-"""Lambda in drift terms (anchor_rm/lambda_scale.py, drift.DriftProbe): the search range is calibrated for the
+"""Lambda in drift terms (anchor_rm/method/lambda_scale.py, drift.DriftProbe): the search range is calibrated for the
 student from its own drift, and every trial's drift is measured on the same fixed pairs against the states the
 student had before it trained (a LoRA student's, with its adapters off, at any time)."""
 
 import pytest
 import torch
 
-from anchor_rm.data import PreferencePair
-from anchor_rm.drift import DRIFT_PROBE_PAIRS, drift_probe
-from anchor_rm.encoding import RewardEncoder
-from anchor_rm.lambda_scale import SPAN, LambdaRange, calibrate_lambda, fixed_range
-from anchor_rm.lora import add_adapters
-from anchor_rm.training import TrainConfig
-from anchor_rm.workflow import RewardModel, train_on_pairs
+from anchor_rm.data.records import PreferencePair
+from anchor_rm.method.drift import DRIFT_PROBE_PAIRS, drift_probe
+from anchor_rm.model.encoding import RewardEncoder
+from anchor_rm.method.lambda_scale import SPAN, LambdaRange, calibrate_lambda, fixed_range
+from anchor_rm.model.lora import add_adapters
+from anchor_rm.method.training import TrainConfig
+from anchor_rm.model.reward_model import RewardModel
+from anchor_rm.method.stages import train_on_pairs
 from helpers import tiny_llama, tiny_reward_model
 
 pytestmark = pytest.mark.timeout(120)

@@ -1,4 +1,4 @@
-"""LoRA students (anchor_rm/lora.py): the adapters-off reference is the pretrained model, its anchor loss is the
+"""LoRA students (anchor_rm/model/lora.py): the adapters-off reference is the pretrained model, its anchor loss is the
 loss against a separate frozen copy, and a LoRA student saves as an ordinary folder (merged) plus its adapters."""
 
 import copy
@@ -6,11 +6,11 @@ import copy
 import pytest
 import torch
 
-from anchor_rm.data import PreferencePair
-from anchor_rm.encoding import RewardEncoder
-from anchor_rm.lora import add_adapters, adapters_off, is_adapted
-from anchor_rm.scoring import encode_pairs, reward_forward
-from anchor_rm.training import TrainConfig, train_reward_model
+from anchor_rm.data.records import PreferencePair
+from anchor_rm.model.encoding import RewardEncoder
+from anchor_rm.model.lora import add_adapters, adapters_off, is_adapted
+from anchor_rm.model.scoring import encode_pairs, reward_forward
+from anchor_rm.method.training import TrainConfig, train_reward_model
 from helpers import tiny_llama
 
 
@@ -62,7 +62,7 @@ def test_the_adapters_off_reference_of_a_tiny_llama_is_its_frozen_copy(minilm_to
 @pytest.mark.slow
 @pytest.mark.timeout(300)
 def test_the_adapters_off_reference_of_smollm2_is_its_frozen_copy():
-    from anchor_rm.workflow import load_pretrained
+    from anchor_rm.model.reward_model import load_pretrained
 
     rm = load_pretrained("smollm2-135m", 32, seed=0)
     _adapters_off_matches_a_frozen_copy(rm.model, rm.encoder, rm.encoder.pad_token_id, epochs=1, batch_size=8,
@@ -98,7 +98,7 @@ def test_activation_checkpointing_trains_the_same_model(tiny_bert, minilm_tokeni
 def test_a_lora_student_saves_merged_and_resumes_from_its_adapters(tmp_path):
     import json
 
-    from anchor_rm.workflow import load_pretrained, load_saved, save_reward_model
+    from anchor_rm.model.reward_model import load_pretrained, load_saved, save_reward_model
 
     rm = load_pretrained("minilm-l6", 32, seed=0, lora_rank=4, lora_alpha=8.0)
     _anchor_run(rm.model, rm.encode(_pairs()), rm.encoder.pad_token_id, epochs=1)
@@ -140,7 +140,7 @@ def test_a_lora_config_on_a_model_without_adapters_is_refused(tiny_bert, minilm_
 
 @pytest.mark.parametrize("architecture", ["bert", "llama"])
 def test_hooks_capture_the_hidden_states_transformers_returns(architecture, tiny_bert, minilm_tokenizer):
-    from anchor_rm.scoring import capture_hidden_states
+    from anchor_rm.model.scoring import capture_hidden_states
 
     model = (tiny_bert(0) if architecture == "bert" else tiny_llama(minilm_tokenizer)).eval()
     batch = dict(minilm_tokenizer(["a question", "another, longer one"], return_tensors="pt", padding=True))

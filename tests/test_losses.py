@@ -3,13 +3,8 @@ import math
 import pytest
 import torch
 
-from anchor_rm.losses import (
-    anchor_loss,
-    confidence_alpha,
-    confidence_w2s_loss,
-    resolve_anchor_layers,
-    soft_bradley_terry_loss,
-)
+from anchor_rm.method.losses import (anchor_loss, confidence_alpha, confidence_w2s_loss, resolve_anchor_layers,
+                                     soft_bradley_terry_loss)
 
 
 def test_soft_bradley_terry_hand_values():

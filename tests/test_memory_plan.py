@@ -1,4 +1,4 @@
-"""The memory plan (anchor_rm/memory_plan.py): parameter counts from a config alone, a refusal in one line that
+"""The memory plan (anchor_rm/method/memory_plan.py): parameter counts from a config alone, a refusal in one line that
 names the estimate, the limit and what to change, and the `paper` preset's dry run (no data read, nothing
 trained)."""
 
@@ -6,9 +6,9 @@ import subprocess
 
 import pytest
 
-from anchor_rm.lora import add_adapters
-from anchor_rm.memory_plan import MemoryPlanError, check_plan, model_shape, plan_memory
-from anchor_rm.models import load_model_config
+from anchor_rm.model.lora import add_adapters
+from anchor_rm.method.memory_plan import MemoryPlanError, check_plan, model_shape, plan_memory
+from anchor_rm.model.loading import load_model_config
 from helpers import PYTHON, ROOT, tiny_llama
 
 GB = 10**9

@@ -5,18 +5,9 @@ import math
 import numpy as np
 import pytest
 
-from anchor_rm.metrics import (
-    TransferMetrics,
-    accuracy_standard_error,
-    mean_net_transfer_score,
-    net_transfer_score,
-    ood_gain,
-    pairwise_accuracy,
-    performance_gap_recovered,
-    tie_rate,
-    transfer_metrics,
-    weak_to_strong_gain,
-)
+from anchor_rm.evaluation.metrics import (TransferMetrics, accuracy_standard_error, mean_net_transfer_score,
+                                          net_transfer_score, ood_gain, pairwise_accuracy, performance_gap_recovered,
+                                          tie_rate, transfer_metrics, weak_to_strong_gain)
 
 
 def test_pairwise_accuracy_counts_ties_as_wrong():
@@ -143,7 +134,7 @@ def _underconfident_teacher(scale: float, n: int = 4000, seed: int = 0):
 
 
 def test_temperature_scaling_recovers_how_underconfident_a_teacher_is():
-    from anchor_rm.metrics import apply_temperature, calibration, fit_temperature
+    from anchor_rm.evaluation.metrics import apply_temperature, calibration, fit_temperature
 
     q = _underconfident_teacher(scale=0.1)  # labels ten times too close to 0.5
     fit = fit_temperature(q)
@@ -166,7 +157,7 @@ def test_temperature_scaling_recovers_how_underconfident_a_teacher_is():
 
 
 def test_calibration_of_soft_labels_on_gold_pairs():
-    from anchor_rm.metrics import calibration
+    from anchor_rm.evaluation.metrics import calibration
 
     # perfectly calibrated in each bin: 0.75 confidence right 3 times in 4; 0.95 right 19 in 20 (as 0.95 says)
     q = [0.75, 0.75, 0.75, 0.25] + [0.95] * 19 + [0.05]
@@ -187,7 +178,7 @@ def test_calibration_of_soft_labels_on_gold_pairs():
 
 
 def test_label_information_is_what_soft_labels_say_in_nats():
-    from anchor_rm.metrics import calibration, label_information
+    from anchor_rm.evaluation.metrics import calibration, label_information
 
     assert label_information([0.5, 0.5]) == pytest.approx(0.0, abs=1e-12)  # indifferent: nothing to learn
     assert label_information([0.0, 1.0, 1.0]) == pytest.approx(np.log(2), rel=1e-9)  # hard labels: ln 2 each

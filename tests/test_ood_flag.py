@@ -1,4 +1,4 @@
-"""The OOD flag (anchor_rm/ood_flag.py): the density, its threshold, the representation it reads from the
+"""The OOD flag (anchor_rm/model/ood_flag.py): the density, its threshold, the representation it reads from the
 scoring pass, its files beside the model, and the report block that measures it."""
 
 import json
@@ -7,11 +7,11 @@ import numpy as np
 import pytest
 import torch
 
-from anchor_rm.data import PreferencePair
-from anchor_rm.ood_flag import (ARRAYS_FILE, INFO_FILE, FlaggedSet, auroc, fit_density, ledoit_wolf, load_density,
-                                measure_sets)
-from anchor_rm.report import SplitResult, build_report, report_from_dict
-from anchor_rm.report_files import report_to_markdown
+from anchor_rm.data.records import PreferencePair
+from anchor_rm.model.ood_flag import (ARRAYS_FILE, INFO_FILE, FlaggedSet, auroc, fit_density, ledoit_wolf,
+                                      load_density, measure_sets)
+from anchor_rm.evaluation.report import SplitResult, build_report, report_from_dict
+from anchor_rm.evaluation.report_files import report_to_markdown
 
 RNG = np.random.default_rng(0)
 
@@ -107,9 +107,10 @@ def pairs(n, dataset="toy", offset=0):
 def test_scoring_reads_the_last_layers_mean_over_the_anchored_positions_in_the_same_pass(architecture, minilm_tokenizer):
     from helpers import tiny_bert, tiny_llama
 
-    from anchor_rm.encoding import RewardEncoder, collate
-    from anchor_rm.scoring import reward_forward
-    from anchor_rm.workflow import RewardModel, fit_ood_flag
+    from anchor_rm.model.encoding import RewardEncoder, collate
+    from anchor_rm.model.scoring import reward_forward
+    from anchor_rm.model.reward_model import RewardModel
+    from anchor_rm.evaluation.scores import fit_ood_flag
 
     model = (tiny_bert if architecture == "bert" else tiny_llama)(minilm_tokenizer, 0).eval()
     rm = RewardModel(model, minilm_tokenizer, RewardEncoder(minilm_tokenizer, 40, decoder=architecture == "llama"), "tiny")
@@ -141,7 +142,8 @@ def test_scoring_reads_the_last_layers_mean_over_the_anchored_positions_in_the_s
 def test_a_saved_model_serves_its_flag_and_the_report_measures_it(tmp_path, minilm_tokenizer):
     from helpers import tiny_reward_model
 
-    from anchor_rm.workflow import evaluate_pairs_with_ood, fit_ood_flag, flagged_set, load_saved, save_reward_model
+    from anchor_rm.evaluation.scores import evaluate_pairs_with_ood, fit_ood_flag, flagged_set
+    from anchor_rm.model.reward_model import load_saved, save_reward_model
 
     rm = tiny_reward_model(minilm_tokenizer, 0, 40)
     fit_ood_flag(rm, pairs(40), pairs(20, offset=2), fit_split="student_train", threshold_split="toy/val")
@@ -187,8 +189,9 @@ def test_an_empty_response_scores_with_a_finite_reward_and_ood_score(architectur
     """A policy may stop at once: /score, /best_of_n and /get_reward score an empty response like any other."""
     from helpers import tiny_bert, tiny_llama
 
-    from anchor_rm.encoding import RewardEncoder
-    from anchor_rm.workflow import RewardModel, fit_ood_flag
+    from anchor_rm.model.encoding import RewardEncoder
+    from anchor_rm.model.reward_model import RewardModel
+    from anchor_rm.evaluation.scores import fit_ood_flag
 
     model = (tiny_bert if architecture == "bert" else tiny_llama)(minilm_tokenizer, 0).eval()
     rm = RewardModel(model, minilm_tokenizer, RewardEncoder(minilm_tokenizer, 40, decoder=architecture == "llama"), "tiny")

@@ -22,7 +22,7 @@ PAIRS = [("How do I boil an egg?", "Put it in boiling water for 8 to 10 minutes.
 
 
 def _report():
-    from anchor_rm.report import SplitResult, build_report
+    from anchor_rm.evaluation.report import SplitResult, build_report
 
     rows = [SplitResult("a", "id", "test", 20, 55.0, 60.0, None, 0.0),
             SplitResult("b", "ood", "test", 20, 50.0, 52.0, None, 0.0)]
@@ -31,7 +31,7 @@ def _report():
 
 
 def _library_rewards(folder: Path) -> list[float]:
-    from anchor_rm.workflow import load_saved
+    from anchor_rm.model.reward_model import load_saved
 
     scored = load_saved(folder).scorer().score([p for p, _ in PAIRS], [r for _, r in PAIRS])
     return [float(x) for x in scored.rewards]
@@ -109,7 +109,7 @@ def test_the_champions_own_requirements_rebuild_an_environment_where_mlflow_mode
                                 capture_output=True, text=True, timeout=300)
     assert dockerfile.returncode == 0, dockerfile.stderr[-3000:]
     model_dir = tmp_path / "docker" / "model_dir"
-    assert (model_dir / "code" / "anchor_rm" / "workflow.py").is_file() and (model_dir / "requirements.txt").is_file()
+    assert (model_dir / "code" / "anchor_rm" / "model" / "scoring.py").is_file() and (model_dir / "requirements.txt").is_file()
     assert not (model_dir / "code" / "anchor_rm" / "shipped_data").exists()  # code, not the datasets
 
 
@@ -122,9 +122,9 @@ def test_a_version_registered_as_a_pickled_class_keeps_loading(tmp_path, minilm_
     import pandas as pd
 
     from anchor_rm.mlflow_edge import model_package
-    from anchor_rm.mlflow_edge.keys import REPORT_ARTIFACT, REWARD_MODEL_ARTIFACT
+    from anchor_rm.evaluation.keys import REPORT_ARTIFACT, REWARD_MODEL_ARTIFACT
     from anchor_rm.registry import RewardModelPyfunc as OldName
-    from anchor_rm.report_files import write_report
+    from anchor_rm.evaluation.report_files import write_report
 
     with sqlite_store(tmp_path, "packaging-old") as uri:
         folder = tiny_model_folder(tmp_path / "student", minilm_tokenizer, 0, 64, "tiny", {"method": "naive"})

@@ -64,7 +64,7 @@ def test_smoke_run_is_fully_recorded_on_a_tracking_server(tmp_path):
         else:
             assert student.data.metrics["test/pgr"] == pytest.approx(report["pgr"])
         # --precision auto was resolved once, in the driver: the run and the report say what ran.
-        from anchor_rm.precision import resolve_precision
+        from anchor_rm.model.precision import resolve_precision
         assert student.data.params["train.precision"] == report["model"]["precision"] == resolve_precision("auto")
         assert [s["dataset"] for s in report["splits"]] == ["hh-helpful-base", "ultrafeedback", "pandalm"]
         digests = json.loads((local / "data_digests.json").read_text())
@@ -74,9 +74,10 @@ def test_smoke_run_is_fully_recorded_on_a_tracking_server(tmp_path):
         from transformers import AutoModelForSequenceClassification
         model = AutoModelForSequenceClassification.from_pretrained(local / "model")
         assert model.config.num_labels == 1 and model.config.pad_token_id is not None
-        from anchor_rm.workflow import evaluate_pairs, load_saved
-        from anchor_rm.splits import build_protocol_splits
-        from anchor_rm.config import preset
+        from anchor_rm.evaluation.scores import evaluate_pairs
+        from anchor_rm.model.reward_model import load_saved
+        from anchor_rm.data.splits import build_protocol_splits
+        from anchor_rm.pipeline.config import preset
         cfg = preset("smoke")
         splits = build_protocol_splits(cfg.source, cfg.targets, cfg.seed, max_pairs=cfg.max_pairs)
         score = evaluate_pairs(load_saved(local / "model"), splits.id_test)

@@ -1,11 +1,11 @@
-"""The premise check (anchor_rm/premise.py): does naive W2S show the failure ANCHOR targets, in its absolute form
+"""The premise check (anchor_rm/evaluation/premise.py): does naive W2S show the failure ANCHOR targets, in its absolute form
 (WRG > 0, mean AOG < 0) or its relative one (a smaller share of the teacher-to-ceiling gap recovered OOD than ID),
 each beyond its bootstrap interval."""
 
 import numpy as np
 import pytest
 
-from anchor_rm.premise import SetCorrectness, premise_check
+from anchor_rm.evaluation.premise import SetCorrectness, premise_check
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -77,7 +77,7 @@ def _scores(points_by_set: dict, seed: int, n: int = 1000) -> dict:
 def test_a_study_instance_is_checked_from_its_record_and_tabled():
     """From a study.json record: its naive W2S on the main labels, the largest-lambda last-layer ANCHOR student as
     the frozen end (with the share of naive's drift it removes), drift against the OOD drop across its students."""
-    from anchor_rm.premise import instance_premise, premise_table
+    from anchor_rm.evaluation.premise import instance_premise, premise_table
 
     def student(method, points, msd, lam=0.0, labels="calibrated"):
         return {"method": method, "teacher_labels": labels, "anchor_lambda": lam,
@@ -108,9 +108,9 @@ def test_an_experiments_report_carries_the_check_of_its_naive_w2s_or_says_why_no
     selected version and a naive train.py run carry), as JSON a report holds (no NaN); "not measured" with why."""
     from types import SimpleNamespace
 
-    from anchor_rm.experiment import premise_of
-    from anchor_rm.report_summary import headline_tags
-    from anchor_rm.workflow import scores_from_dict
+    from anchor_rm.pipeline.experiment import premise_of
+    from anchor_rm.evaluation.report_summary import headline_tags
+    from anchor_rm.evaluation.scores import scores_from_dict
     from test_report import example_report
 
     points = {"teacher": {"src": 60, "a": 60}, "ceiling": {"src": 80, "a": 60}, "naive": {"src": 70, "a": 50}}
@@ -133,8 +133,8 @@ def test_an_experiments_report_carries_the_check_of_its_naive_w2s_or_says_why_no
 def test_only_an_anchor_version_is_tagged_with_an_anchor_lambda_and_layer():
     """/model's headline shows the version's tags: a naive W2S version trained with the config's default lambda
     must not claim one."""
-    from anchor_rm.report import build_report
-    from anchor_rm.report_summary import headline_tags
+    from anchor_rm.evaluation.report import build_report
+    from anchor_rm.evaluation.report_summary import headline_tags
     from test_report import split_rows
 
     def tags(method: str) -> dict:

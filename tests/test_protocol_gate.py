@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import pytest
 
-from anchor_rm.data import PreferencePair
-from anchor_rm.experiment import SharedStages
-from anchor_rm.splits import ProtocolSplits
+from anchor_rm.data.records import PreferencePair
+from anchor_rm.pipeline.experiment import SharedStages
+from anchor_rm.data.splits import ProtocolSplits
 from anchor_rm.mlflow_edge.runs import StageRun
 
 
@@ -59,8 +59,8 @@ def test_the_headline_keeps_targets_of_headline_size_whose_ceiling_is_clearly_ab
 
 @pytest.mark.timeout(60)
 def test_an_over_refusal_target_is_reported_beside_the_headline_never_in_it():
-    from anchor_rm.catalog import COUNTER_TARGETS
-    from anchor_rm.metrics import choose_headline_targets
+    from anchor_rm.data.catalog import COUNTER_TARGETS
+    from anchor_rm.evaluation.metrics import choose_headline_targets
 
     sizes = {name: {"val": 200, "test": 400} for name in ("safetext", "xstest-overrefusal")}
     choice = choose_headline_targets(sizes, {"safetext": 70.0, "xstest-overrefusal": 80.0}, list(sizes), COUNTER_TARGETS)
@@ -73,7 +73,7 @@ def test_an_over_refusal_target_is_reported_beside_the_headline_never_in_it():
 
 @pytest.mark.timeout(60)
 def test_students_get_the_teachers_labels_raw_or_scaled_by_its_fitted_temperature():
-    from anchor_rm.training import TrainConfig
+    from anchor_rm.method.training import TrainConfig
 
     shared = _shared(_scores(hh_helpful=58.0), None)
     raw = [0.52, 0.5, 0.47]
@@ -92,8 +92,8 @@ def test_students_get_the_teachers_labels_raw_or_scaled_by_its_fitted_temperatur
 
 @pytest.mark.timeout(60)
 def test_the_final_report_takes_the_validation_scores_training_measured_instead_of_scoring_again(monkeypatch):
-    from anchor_rm import experiment
-    from anchor_rm.workflow import scores_from_dict
+    from anchor_rm.pipeline import experiment
+    from anchor_rm.evaluation.scores import scores_from_dict
 
     teacher = _scores(hh_helpful=58.0, ultrafeedback=55.0, llmbar=45.0, pandalm=60.0)
     shared = _shared(teacher, _scores(hh_helpful=66.0, ultrafeedback=61.0, llmbar=56.0, pandalm=62.0))

@@ -11,7 +11,7 @@ import httpx
 import pytest
 
 from anchor_rm.client import AsyncRewardClient, RewardClient, RewardServiceError, Scores, TRLRewardFunction
-from anchor_rm.scoring import conversation_to_pair, sigmoid, split_transcript
+from anchor_rm.model.scoring import conversation_to_pair, sigmoid, split_transcript
 from service import protocols
 from service.get_routes import GetRoutes
 from service.guard import ApiGuard

@@ -1,4 +1,4 @@
-"""Where the frozen reference's states live (anchor_rm/reference_cache.py): RAM, a memory-mapped disk cache,
+"""Where the frozen reference's states live (anchor_rm/method/reference_cache.py): RAM, a memory-mapped disk cache,
 or nowhere (the reference run live). Fast: a tiny BERT, no server."""
 
 from __future__ import annotations
@@ -8,12 +8,12 @@ import pickle
 import pytest
 import torch
 
-from anchor_rm.data import PreferencePair
-from anchor_rm.encoding import RewardEncoder
-from anchor_rm.reference_cache import (DiskReferenceStates, choose_reference_cache, compute_reference_states,
-                                       estimate_reference_nbytes, open_reference_states)
-from anchor_rm.scoring import encode_pairs
-from anchor_rm.training import TrainConfig, train_reward_model
+from anchor_rm.data.records import PreferencePair
+from anchor_rm.model.encoding import RewardEncoder
+from anchor_rm.method.reference_cache import (DiskReferenceStates, choose_reference_cache, compute_reference_states,
+                                              estimate_reference_nbytes, open_reference_states)
+from anchor_rm.model.scoring import encode_pairs
+from anchor_rm.method.training import TrainConfig, train_reward_model
 
 MB = 10**6
 

@@ -30,7 +30,7 @@ from mlflow.tracking import MlflowClient
 from anchor_rm.mlflow_edge import registry
 from anchor_rm.mlflow_edge.store import configure
 from anchor_rm.mlflow_edge.writer import OUTAGE_ENV, BufferedRunWriter, TrackingUnavailable, outage_seconds_from_env
-from anchor_rm.report import SplitResult, build_report
+from anchor_rm.evaluation.report import SplitResult, build_report
 from helpers import (PYTHON, ROOT, free_port, ray_head, run_pipeline, start_mlflow_server, stop_process_group,
                      tiny_model_folder)
 from tuning.trainable import STEP_HOOK_ENV
@@ -382,7 +382,7 @@ def test_a_trial_that_fails_is_marked_failed_with_its_error(tmp_path, restore_ml
     """What Tune's callback writes when a trial gives up, e.g. after the tracking server stayed away."""
     from ray.tune.error import TuneError
 
-    from anchor_rm.mlflow_edge.keys import PARENT_TAG, TRIAL_TAG
+    from anchor_rm.evaluation.keys import PARENT_TAG, TRIAL_TAG
     from tuning.callbacks import MlflowTrialStatus
 
     store = f"sqlite:///{tmp_path / 'mlflow.db'}"
@@ -443,7 +443,7 @@ import os, signal, sys
 import mlflow
 from anchor_rm.mlflow_edge import registry
 from anchor_rm.mlflow_edge.store import configure
-from anchor_rm.report import SplitResult, build_report
+from anchor_rm.evaluation.report import SplitResult, build_report
 
 store, folder, key = sys.argv[1:4]
 configure(store, "killed-registration")

@@ -7,17 +7,10 @@ import re
 
 import pytest
 
-from anchor_rm import report_files
-from anchor_rm.report import (
-    EvaluationReport,
-    SplitResult,
-    build_report,
-    file_sha256,
-    load_report_schema,
-    report_from_dict,
-    validate_report_dict,
-)
-from anchor_rm.report_files import read_report, report_to_markdown, report_to_png, write_report
+from anchor_rm.evaluation import report_files
+from anchor_rm.evaluation.report import EvaluationReport, SplitResult, build_report, file_sha256, report_from_dict
+from anchor_rm.evaluation.report_checks import load_report_schema, validate_report_dict
+from anchor_rm.evaluation.report_files import read_report, report_to_markdown, report_to_png, write_report
 
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
 DIGEST = "a" * 64
@@ -442,7 +435,7 @@ def test_headline_targets_leave_a_no_signal_target_out_of_the_mean_nts(tmp_path)
 
 
 def test_headline_targets_need_headline_size_and_a_ceiling_clearly_above_chance():
-    from anchor_rm.metrics import choose_headline_targets
+    from anchor_rm.evaluation.metrics import choose_headline_targets
 
     sizes = {"big": {"val": 200, "test": 400}, "weak": {"val": 200, "test": 400}, "tiny": {"val": 29, "test": 29},
              "short": {"val": 200, "test": 399}}
@@ -573,7 +566,7 @@ def test_the_teachers_temperature_and_scaled_labels_round_trip_and_are_rendered(
 
 def test_what_the_teachers_labels_say_round_trips_and_is_rendered(tmp_path):
     """The labels the students learn from: nats per pair (of ln 2 for hard labels) and how often they are right."""
-    from anchor_rm.experiment import label_summary
+    from anchor_rm.pipeline.experiment import label_summary
 
     labels = label_summary([0.9, 0.6, 0.4, 0.55], temperature=2.0)
     assert labels["n_pairs"] == 4 and labels["accuracy"] == 75.0

@@ -12,14 +12,14 @@ import warnings
 import pytest
 import torch
 
-from anchor_rm.encoding import RewardEncoder
-from anchor_rm.scoring import RewardScorer, reward_head
-from anchor_rm.workflow import RewardModel, load_saved, save_reward_model
+from anchor_rm.model.encoding import RewardEncoder
+from anchor_rm.model.scoring import RewardScorer, reward_head
+from anchor_rm.model.reward_model import RewardModel, load_saved, save_reward_model
 from helpers import tiny_llama
 from service.config import Settings, SettingsError, declared_gpus, gpu_resources, load_settings
 from service.holder import load_served_model, place_for_scoring
 
-# bf16 requested on a CPU that emulates it warns once (anchor_rm/precision.py); here that is expected.
+# bf16 requested on a CPU that emulates it warns once (anchor_rm/model/precision.py); here that is expected.
 pytestmark = pytest.mark.filterwarnings("ignore:precision bf16 requested")
 
 MAX_LENGTH = 512

@@ -16,9 +16,9 @@ import pytest
 import torch
 from mlflow.tracking import MlflowClient
 
-from anchor_rm import scoring
-from anchor_rm.report import SplitResult, build_report
-from anchor_rm.workflow import load_saved
+from anchor_rm.model import scoring
+from anchor_rm.evaluation.report import SplitResult, build_report
+from anchor_rm.model.reward_model import load_saved
 from helpers import register_version, sqlite_store, tiny_model_folder
 from service import schemas
 from service.config import Settings, SettingsError, load_settings
@@ -338,7 +338,7 @@ def test_the_ood_flag_setting_turns_the_flag_off_and_says_so(registered, tmp_pat
     """ANCHOR_RM_OOD_FLAG=0 reaches load_served_model as ood_flag=False: rewards alone, /model says why."""
     from service_fixtures import fit_pairs
 
-    from anchor_rm.workflow import fit_ood_flag
+    from anchor_rm.evaluation.scores import fit_ood_flag
 
     fitted = load_saved(registered["1"])
     fit_ood_flag(fitted, fit_pairs(40), fit_pairs(20, offset=1), fit_split="student_train", threshold_split="fit/val")
@@ -353,7 +353,7 @@ def test_the_ood_flag_setting_turns_the_flag_off_and_says_so(registered, tmp_pat
 
 
 def test_a_bf16_cpu_service_holds_its_matmul_weights_in_bf16_and_scores_as_the_library_does(registered, tmp_path):
-    from anchor_rm.scoring import reward_head
+    from anchor_rm.model.scoring import reward_head
 
     served = load_served_model("models:/anchor-rm-helpful/1", tmp_path / "dl", precision="bf16", device="cpu")
     model = served.scorer.model

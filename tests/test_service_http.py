@@ -22,7 +22,7 @@ import pytest
 import torch
 from mlflow.tracking import MlflowClient
 
-from anchor_rm.precision import resolve_precision
+from anchor_rm.model.precision import resolve_precision
 from service.config import KEEP_ALIVE_SECONDS
 from service_fixtures import KEY, MAX_LENGTH, NAME, PROMPTS, RESPONSES, SECRET_TEXT, served_report
 

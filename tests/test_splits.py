@@ -9,10 +9,10 @@ import sys
 
 import pytest
 
-from anchor_rm.catalog import CATEGORIES, dataset_digest, load_dataset_pairs
-from anchor_rm.data import DataError, PreferencePair
-from anchor_rm.splits import (CleanCounts, ProtocolSplits, build_protocol_splits, clean_pairs, split_by_prompt,
-                              subsample)
+from anchor_rm.data.catalog import CATEGORIES, dataset_digest, load_dataset_pairs
+from anchor_rm.data.records import DataError, PreferencePair
+from anchor_rm.data.splits import (CleanCounts, ProtocolSplits, build_protocol_splits, clean_pairs, split_by_prompt,
+                                   subsample)
 
 
 def pair(prompt: str, chosen: str = "good", rejected: str = "bad", **metadata) -> PreferencePair:
@@ -115,8 +115,8 @@ def test_split_zero_fraction_is_empty_and_bad_fractions_raise():
 
 def test_split_does_not_depend_on_python_hash_seed():
     # Python's hash() of str changes per process; the split must not.
-    code = ("from anchor_rm.catalog import load_dataset_pairs, dataset_digest\n"
-            "from anchor_rm.splits import split_by_prompt\n"
+    code = ("from anchor_rm.data.catalog import load_dataset_pairs, dataset_digest\n"
+            "from anchor_rm.data.splits import split_by_prompt\n"
             "parts = split_by_prompt(load_dataset_pairs('hh-helpful-online'), {'x': 0.5, 'y': 0.5}, seed=7)\n"
             "print(dataset_digest(parts['x']))\n")
     digests = {subprocess.run([sys.executable, "-c", code], env={**os.environ, "PYTHONHASHSEED": seed},
@@ -216,7 +216,7 @@ def test_protocol_on_shipped_data(category):
 
 
 def test_hh_transcripts_that_share_their_first_human_turn_stay_in_one_split():
-    from anchor_rm.splits import prompt_group
+    from anchor_rm.data.splits import prompt_group
 
     opening = "\n\nHuman: How do I bake bread?\n\nAssistant:"
     later = [opening + f" Use flour.\n\nHuman: And then {i}?\n\nAssistant:" for i in range(40)]
@@ -245,7 +245,7 @@ def test_target_pairs_whose_prompt_group_is_in_the_source_are_dropped_and_counte
 
 def in_memory_splits(source: str, targets: list[str], seed: int, caps: dict) -> ProtocolSplits:
     """What build_protocol_splits must give, composed from the list functions: everything in memory."""
-    from anchor_rm.splits import SOURCE_FRACTIONS, prompt_group
+    from anchor_rm.data.splits import SOURCE_FRACTIONS, prompt_group
 
     def capped(pairs, key, name):
         return subsample(pairs, caps[key], seed, f"{name}/{key}") if key in caps else pairs
@@ -338,7 +338,7 @@ def test_every_dataset_pass_reports_its_progress(caplog):
 def test_progress_writes_a_line_every_interval_and_a_total(caplog):
     import logging
 
-    from anchor_rm.progress import Progress
+    from anchor_rm.data.progress import Progress
 
     with caplog.at_level(logging.INFO, logger="anchor_rm"):
         progress = Progress("stage", every_s=0.0)
@@ -353,7 +353,7 @@ def test_progress_writes_a_line_every_interval_and_a_total(caplog):
 
 
 def test_the_calibration_share_comes_out_of_the_teachers_and_moves_no_student_or_evaluation_pair():
-    from anchor_rm.splits import SOURCE_FRACTIONS
+    from anchor_rm.data.splits import SOURCE_FRACTIONS
 
     pairs = toy(400, 3, "src")
     now = split_by_prompt(pairs, dict(SOURCE_FRACTIONS), seed=2)
@@ -367,7 +367,7 @@ def test_the_calibration_share_comes_out_of_the_teachers_and_moves_no_student_or
 def test_progress_with_a_total_gives_the_share_the_rate_and_the_time_left(caplog, monkeypatch):
     import logging
 
-    from anchor_rm import progress as p
+    from anchor_rm.data import progress as p
 
     with caplog.at_level(logging.INFO, logger="anchor_rm"):
         steps = p.Progress("training", unit="steps", total=4, rate_unit="pairs", every_s=0.0)

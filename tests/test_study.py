@@ -9,10 +9,10 @@ import numpy as np
 import pytest
 import torch
 
-from anchor_rm.data import PreferencePair
-from anchor_rm.encoding import RewardEncoder
-from anchor_rm.scoring import RewardScorer, encode_pairs
-from anchor_rm.workflow import RewardModel
+from anchor_rm.data.records import PreferencePair
+from anchor_rm.model.encoding import RewardEncoder
+from anchor_rm.model.scoring import RewardScorer, encode_pairs
+from anchor_rm.model.reward_model import RewardModel
 from helpers import run_pipeline
 
 
@@ -26,8 +26,8 @@ def _rm(model, tokenizer, max_length=32):
 
 
 def test_drift_is_zero_for_the_reference_itself_and_grows_with_perturbation(tiny_bert, minilm_tokenizer):
-    from anchor_rm.drift import evaluate_with_drift, evaluation_reference
-    from anchor_rm.workflow import evaluate_pairs
+    from anchor_rm.method.drift import evaluate_with_drift, evaluation_reference
+    from anchor_rm.evaluation.scores import evaluate_pairs
 
     pairs = _pairs()
     reference = tiny_bert(0).eval()
@@ -49,7 +49,7 @@ def test_drift_is_zero_for_the_reference_itself_and_grows_with_perturbation(tiny
 
 
 def test_drift_refuses_states_of_other_pairs(tiny_bert, minilm_tokenizer):
-    from anchor_rm.drift import evaluate_with_drift, evaluation_reference
+    from anchor_rm.method.drift import evaluate_with_drift, evaluation_reference
 
     rm = _rm(tiny_bert(0), minilm_tokenizer)
     states = evaluation_reference(tiny_bert(0), rm, _pairs(24), [2])
@@ -100,7 +100,8 @@ def _drift(msd: float) -> dict:
 
 
 def test_tuned_rows_select_on_validation_never_on_test(tmp_path):
-    from anchor_rm.study_report import rows_for, write_study_report
+    from anchor_rm.pipeline.study_tables import rows_for
+    from anchor_rm.pipeline.study_report import write_study_report
 
     # Validation prefers lambda 1e-3; test would prefer 1e-1. The tuned row must report 1e-3's test figures.
     instances = [_instance(seed, {1e-3: 4.0, 1e-1: 1.0}, {1e-3: 61.0 + seed, 1e-1: 70.0}) for seed in (0, 1)]
@@ -122,8 +123,8 @@ def test_tuned_rows_select_on_validation_never_on_test(tmp_path):
 
 
 def test_study_settings_put_every_method_on_the_chosen_labels_and_the_other_labels_on_naive_only():
-    from anchor_rm.study import StudyConfig, budget_settings, setting_label, student_settings
-    from anchor_rm.training import TrainConfig
+    from anchor_rm.pipeline.study import StudyConfig, budget_settings, setting_label, student_settings
+    from anchor_rm.method.training import TrainConfig
 
     study = StudyConfig(categories=["harmless"], seeds=[0], lambdas=[1e-3], layer_choices=["last"],
                         confidence_alphas=[0.5], teacher_labels=["raw", "calibrated"], budgets=[(1e-4, 2), (3e-4, 1)],
@@ -151,7 +152,8 @@ def test_study_settings_put_every_method_on_the_chosen_labels_and_the_other_labe
 
 
 def test_label_rows_compare_naive_on_raw_and_scaled_labels_and_the_teacher_table_shows_the_temperature(tmp_path):
-    from anchor_rm.study_report import rows_for, write_study_report
+    from anchor_rm.pipeline.study_tables import rows_for
+    from anchor_rm.pipeline.study_report import write_study_report
 
     instances = [_instance(seed, {1e-3: 4.0}, {1e-3: 61.0}) for seed in (0, 1)]
     for inst in instances:
@@ -259,7 +261,7 @@ def test_study_pipeline_runs_logs_and_resumes(tmp_path):
 
 
 def test_instance_records_are_keyed_by_their_inputs_and_a_bad_one_is_named(tmp_path):
-    from anchor_rm.study import instance_path, read_instance, write_instance
+    from anchor_rm.pipeline.study import instance_path, read_instance, write_instance
 
     path = instance_path(tmp_path, "harmless", 3)
     assert path == tmp_path / "instances" / "harmless-seed3.json" and read_instance(path, "k1") is None
@@ -276,7 +278,7 @@ def test_instance_records_are_keyed_by_their_inputs_and_a_bad_one_is_named(tmp_p
 
 
 def test_an_instance_key_follows_its_data_training_and_settings():
-    from anchor_rm.study import StudyConfig, instance_key, protocol_for
+    from anchor_rm.pipeline.study import StudyConfig, instance_key, protocol_for
 
     study = StudyConfig(categories=["harmless"], seeds=[0], lambdas=[1e-3], precision="fp32")
     cfg, digests = protocol_for(study, "harmless", 0), {"pku-saferlhf/id_test": "d1"}
@@ -293,7 +295,7 @@ def test_an_instance_key_follows_its_data_training_and_settings():
 
 
 def test_an_earlier_instance_is_adopted_only_with_the_same_settings_and_split_sizes():
-    from anchor_rm.study import StudyConfig, adoptable
+    from anchor_rm.pipeline.study import StudyConfig, adoptable
 
     study = StudyConfig(categories=["harmless"], seeds=[0, 1, 5], lambdas=[1e-3], budgets=[(1e-4, 2)], precision="fp32")
     sizes = {"pku-saferlhf": {"id_test": 661}, "safetext": {"test": 400}}
@@ -334,7 +336,7 @@ def _bits(accuracy_points: int, n: int = 100) -> str:
 
 
 def test_paired_bootstrap_resamples_pairs_for_both_models_alike():
-    from anchor_rm.study_report import paired_bootstrap
+    from anchor_rm.pipeline.study_tables import paired_bootstrap
 
     inst = _instance(0, {1e-3: 4.0}, {1e-3: 70.0})
     naive, anchor = inst["students"][0], inst["students"][2]
@@ -352,7 +354,7 @@ def test_paired_bootstrap_resamples_pairs_for_both_models_alike():
 
 
 def test_the_primary_comparison_is_written_first_with_its_bootstrap(tmp_path):
-    from anchor_rm.study_report import write_study_report
+    from anchor_rm.pipeline.study_report import write_study_report
 
     instances = [_instance(seed, {1e-3: 4.0}, {1e-3: 61.0 + seed}) for seed in (0, 1)]
     for inst in instances:
@@ -367,7 +369,8 @@ def test_the_primary_comparison_is_written_first_with_its_bootstrap(tmp_path):
 
 
 def test_the_gap_table_marks_each_seed_by_its_ceiling_over_teacher_interval_and_names_flagged_targets(tmp_path):
-    from anchor_rm.study_report import gap_table, id_gap, write_study_report
+    from anchor_rm.pipeline.study_tables import gap_table, id_gap
+    from anchor_rm.pipeline.study_report import write_study_report
 
     clear, unclear = _instance(0, {1e-3: 4.0}, {1e-3: 61.0}), _instance(1, {1e-3: 4.0}, {1e-3: 61.0})
     # Seed 0, paired: the ceiling gets right every pair the teacher does and 6 more of 100: +6, SE 2.39 -> clear.
@@ -396,7 +399,7 @@ def test_the_gap_table_marks_each_seed_by_its_ceiling_over_teacher_interval_and_
 def test_a_decoder_students_options_are_settings_only_when_set_and_reach_its_protocol():
     """Studies recorded before the student's options existed compare equal (their settings lack them); a decoder
     study's options key it and reach the student's TrainConfig."""
-    from anchor_rm.study import StudyConfig, protocol_for
+    from anchor_rm.pipeline.study import StudyConfig, protocol_for
 
     plain = StudyConfig(categories=["harmless"], seeds=[0], precision="fp32")
     assert not {"student", "lora_rank", "lora_alpha", "lora_learning_rate", "activation_checkpointing"} & set(plain.settings())
@@ -410,7 +413,7 @@ def test_a_decoder_students_options_are_settings_only_when_set_and_reach_its_pro
 
 
 def test_the_t_quantile_is_students_at_any_degrees_of_freedom():
-    from anchor_rm.study_report import t95
+    from anchor_rm.pipeline.study_tables import t95
 
     assert t95(1) == pytest.approx(12.706, abs=1e-3) and t95(9) == pytest.approx(2.262, abs=1e-3)
     assert t95(29) == pytest.approx(2.045, abs=1e-3)  # past 9 the old table said 2.0

@@ -1,11 +1,11 @@
 import pytest
 import torch
 
-from anchor_rm.data import PreferencePair
-from anchor_rm.encoding import RewardEncoder
-from anchor_rm.metrics import pairwise_accuracy
-from anchor_rm.scoring import RewardScorer, encode_pairs
-from anchor_rm.training import TrainConfig, epoch_batches, train_reward_model
+from anchor_rm.data.records import PreferencePair
+from anchor_rm.model.encoding import RewardEncoder
+from anchor_rm.evaluation.metrics import pairwise_accuracy
+from anchor_rm.model.scoring import RewardScorer, encode_pairs
+from anchor_rm.method.training import TrainConfig, epoch_batches, train_reward_model
 
 
 def _pairs(n=48):
@@ -74,10 +74,10 @@ def test_config_validation_names_the_field():
 
 
 def test_cached_reference_states_give_the_uncached_anchor_loss(tiny_bert, minilm_tokenizer):
-    from anchor_rm.encoding import collate
-    from anchor_rm.losses import anchor_loss
-    from anchor_rm.reference_cache import compute_reference_states
-    from anchor_rm.scoring import reward_forward
+    from anchor_rm.model.encoding import collate
+    from anchor_rm.method.losses import anchor_loss
+    from anchor_rm.method.reference_cache import compute_reference_states
+    from anchor_rm.model.scoring import reward_forward
 
     enc = RewardEncoder(minilm_tokenizer, 32, decoder=False)
     encoded = encode_pairs(enc, _pairs())
@@ -104,7 +104,7 @@ def test_cached_reference_states_give_the_uncached_anchor_loss(tiny_bert, minilm
 
 
 def test_training_with_the_cache_starts_at_zero_anchor_loss(tiny_bert, minilm_tokenizer):
-    from anchor_rm.reference_cache import compute_reference_states
+    from anchor_rm.method.reference_cache import compute_reference_states
 
     enc = RewardEncoder(minilm_tokenizer, 32, decoder=False)
     encoded = encode_pairs(enc, _pairs())
@@ -117,7 +117,7 @@ def test_training_with_the_cache_starts_at_zero_anchor_loss(tiny_bert, minilm_to
 
 
 def test_a_cache_of_other_pairs_is_refused(tiny_bert, minilm_tokenizer):
-    from anchor_rm.reference_cache import compute_reference_states
+    from anchor_rm.method.reference_cache import compute_reference_states
 
     enc = RewardEncoder(minilm_tokenizer, 32, decoder=False)
     encoded = encode_pairs(enc, _pairs())
@@ -158,7 +158,7 @@ def test_frozen_layers_may_not_reach_an_anchored_layer_nor_the_whole_model(tiny_
 def test_a_decoder_freezes_its_token_embeddings_and_lowest_layers():
     from transformers import LlamaConfig, LlamaForSequenceClassification
 
-    from anchor_rm.models import freeze_lower_layers
+    from anchor_rm.model.loading import freeze_lower_layers
 
     model = LlamaForSequenceClassification(LlamaConfig(vocab_size=64, hidden_size=16, intermediate_size=32,
                                                        num_hidden_layers=3, num_attention_heads=2, num_labels=1,

@@ -7,7 +7,8 @@ import logging
 
 from ray.tune import Callback
 
-from anchor_rm.mlflow_edge import keys, runs
+from anchor_rm.evaluation import keys
+from anchor_rm.mlflow_edge import runs
 
 log = logging.getLogger("anchor_rm")
 

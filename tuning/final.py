@@ -10,16 +10,18 @@ import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
-from anchor_rm.config import ProtocolConfig
-from anchor_rm.drift import drift_reduction
-from anchor_rm.experiment import SharedStages, final_report, premise_of
-from anchor_rm.lambda_scale import LambdaRange
-from anchor_rm.metrics import difference_standard_error
-from anchor_rm.mlflow_edge import keys, runs
+from anchor_rm.pipeline.config import ProtocolConfig
+from anchor_rm.method.drift import drift_reduction
+from anchor_rm.pipeline.experiment import SharedStages, final_report, premise_of
+from anchor_rm.method.lambda_scale import LambdaRange
+from anchor_rm.evaluation.metrics import difference_standard_error
+from anchor_rm.evaluation import keys
+from anchor_rm.mlflow_edge import runs
 from anchor_rm.mlflow_edge.registry import RegisteredVersion, log_and_register
-from anchor_rm.report import EvaluationReport
+from anchor_rm.evaluation.report import EvaluationReport
 from anchor_rm.mlflow_edge.writer import PENDING_FILE
-from anchor_rm.workflow import export_checkpoint, load_saved, scores_from_dict, training_device
+from anchor_rm.model.reward_model import export_checkpoint, load_saved, training_device
+from anchor_rm.evaluation.scores import scores_from_dict
 from tuning.search import SELECTION_RULE, TrialOutcome, best_trial, tied_with
 from tuning.trainable import TRAINING_STATE, VALIDATION_SCORES
 
@@ -29,7 +31,7 @@ log = logging.getLogger("anchor_rm")
 def checkpoint_folder(outcome: TrialOutcome, into: Path) -> tuple[Path, dict | None]:
     """A trial's last checkpoint as a local, ordinary Hugging Face folder (works for local and remote Ray
     storage; an FSDP2 trial's shards are read whole and written as one model, a LoRA trial's adapters merged into
-    its base on the CPU: workflow.export_checkpoint), and the
+    its base on the CPU: reward_model.export_checkpoint), and the
     scores on every validation set that the trial measured on that model (None in a checkpoint written before
     they were kept). What only training reads (the optimizer's state, twice the model's size; the metrics not
     yet delivered; those scores) is taken out of the local copy: the folder is what the registry stores and

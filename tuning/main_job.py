@@ -12,15 +12,17 @@ from dataclasses import dataclass, field, replace
 from datetime import datetime
 from pathlib import Path
 
-from anchor_rm.config import TUNE_SAMPLES, ProtocolConfig
-from anchor_rm.experiment import STAGE_VERSION, prepare_shared
-from anchor_rm.mlflow_edge import keys, runs
+from anchor_rm.pipeline.config import TUNE_SAMPLES, ProtocolConfig
+from anchor_rm.pipeline.experiment import STAGE_VERSION, prepare_shared
+from anchor_rm.evaluation import keys
+from anchor_rm.mlflow_edge import runs
 from anchor_rm.mlflow_edge.store import configure
 from anchor_rm.mlflow_edge.writer import outage_seconds_from_env
-from anchor_rm.lambda_scale import (CALIBRATION_STEPS, SPAN, UNCALIBRATED_RANGE, LambdaRange, calibrate_lambda,
-                                   fixed_range)
-from anchor_rm.mlflow_edge.keys import cache_key
-from anchor_rm.workflow import load_student, release_device_memory
+from anchor_rm.method.lambda_scale import (CALIBRATION_STEPS, SPAN, UNCALIBRATED_RANGE, LambdaRange, calibrate_lambda,
+                                           fixed_range)
+from anchor_rm.evaluation.keys import cache_key
+from anchor_rm.method.stages import load_student
+from anchor_rm.model.reward_model import release_device_memory
 from tuning.final import FinalResult, register_selected
 from tuning.search import init_ray, run_search
 from tuning.space import LAYER_CHOICES
@@ -136,7 +138,7 @@ def record_failures(outcomes: list) -> None:
 
 def shared_stages(cfg: ProtocolConfig, experiment_id: str):
     """Data, teacher and ceiling (experiment.prepare_shared), trained on the driver's device (its first GPU where it
-    has one), whose memory is handed back before Ray gives that GPU to a trial (workflow.release_device_memory)."""
+    has one), whose memory is handed back before Ray gives that GPU to a trial (reward_model.release_device_memory)."""
     shared = prepare_shared(cfg, experiment_id)
     release_device_memory()
     return shared

@@ -22,14 +22,14 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from anchor_rm.config import ProtocolConfig
-from anchor_rm.splits import ProtocolSplits
+from anchor_rm.pipeline.config import ProtocolConfig
+from anchor_rm.data.splits import ProtocolSplits
 from tuning.space import DRIFT_RESULT, METRIC, trial_method_config
 from tuning.storage import experiment_filesystem
 
 TRAINING_STATE = "training_state.pt"
 # In each checkpoint: the checkpointed model's scores on every validation set, measured after that epoch
-# (workflow.scores_to_dict). The final evaluation takes them instead of scoring the model on them again.
+# (scores.scores_to_dict). The final evaluation takes them instead of scoring the model on them again.
 VALIDATION_SCORES = "validation_scores.json"
 # The anchor loss's scale is the mean over this many steps: at the trial's start and at the end of each epoch.
 ANCHOR_SCALE_STEPS = 10
@@ -89,7 +89,7 @@ class SharedPayload:
 
 
 def _train_config(payload: SharedPayload, config: dict):
-    from anchor_rm.training import TrainConfig
+    from anchor_rm.method.training import TrainConfig
 
     return TrainConfig(**{**payload.cfg.student_train.to_dict(), "precision": payload.trial_precision,
                           **trial_method_config(config)})
@@ -118,12 +118,13 @@ def train_loop_per_worker(config: dict) -> None:
     import ray.train
     import ray.train.torch
 
-    from anchor_rm.drift import drift_probe
-    from anchor_rm.lora import ADAPTER_FOLDER
+    from anchor_rm.method.drift import drift_probe
+    from anchor_rm.model.lora import ADAPTER_FOLDER
     from anchor_rm.mlflow_edge.writer import BufferedRunWriter
-    from anchor_rm.precision import resolve_precision
-    from anchor_rm.sharded import SHARDED_FOLDER
-    from anchor_rm.workflow import load_saved, load_student
+    from anchor_rm.model.precision import resolve_precision
+    from anchor_rm.model.sharded import SHARDED_FOLDER
+    from anchor_rm.model.reward_model import load_saved
+    from anchor_rm.method.stages import load_student
 
     payload: SharedPayload = config["payload"]
     torch.set_num_threads(payload.threads_per_worker)
@@ -180,11 +181,14 @@ def _train_trial(payload: SharedPayload, config: dict, train_cfg, rm, device, ra
 
     import ray.train
 
-    from anchor_rm.mlflow_edge import keys, runs
+    from anchor_rm.evaluation import keys
+    from anchor_rm.mlflow_edge import runs
     from anchor_rm.mlflow_edge.writer import BufferedRunWriter
-    from anchor_rm.sharded import load_pretrained_sharded, save_sharded
-    from anchor_rm.student import NoSink, Validation, train_student
-    from anchor_rm.workflow import frozen_reference, save_reward_model, scores_from_dict, scores_to_dict
+    from anchor_rm.model.sharded import load_pretrained_sharded, save_sharded
+    from anchor_rm.method.student import NoSink, Validation, train_student
+    from anchor_rm.method.stages import frozen_reference
+    from anchor_rm.model.reward_model import save_reward_model
+    from anchor_rm.evaluation.scores import scores_from_dict, scores_to_dict
 
     cfg, run_id = payload.cfg, config["mlflow_run_id"]
     rm.model.train()
@@ -366,8 +370,9 @@ def make_payload(cfg: ProtocolConfig, shared, *, tracking_uri: str, experiment_i
     `use_gpu`: yes, no, or auto (when the cluster has a GPU). `precision`: what --precision asked for."""
     import ray
 
-    from anchor_rm.reference_cache import ReferenceStates
-    from anchor_rm.workflow import load_pretrained, reference_states
+    from anchor_rm.method.reference_cache import ReferenceStates
+    from anchor_rm.model.reward_model import load_pretrained
+    from anchor_rm.method.stages import reference_states
     from tuning.space import LAYER_CHOICES
 
     gpus = ray.cluster_resources().get("GPU", 0)

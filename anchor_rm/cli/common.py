@@ -91,8 +91,8 @@ def memory_plan_or_dry_run(cfg, args, *, device: str = "cpu", workers: int = 1, 
     configuration, the datasets and the plans are printed instead of logged, and True says: stop."""
     import json
 
-    from anchor_rm.catalog import data_schema
-    from anchor_rm.memory_plan import check_protocol_memory, planned_precision, protocol_plans
+    from anchor_rm.data.catalog import data_schema
+    from anchor_rm.method.memory_plan import check_protocol_memory, planned_precision, protocol_plans
 
     strategy = cfg.student_train.strategy
     planned = {"strategy": strategy, "workers": workers, "device": device, "anchor_layer_choices": anchor_layer_choices,

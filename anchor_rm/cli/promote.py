@@ -34,7 +34,7 @@ exit status:
     2  bad input: unknown model or version, no version holds `challenger`, the version has no report,
        nothing to roll back to, an unreachable tracking store
     3  another promotion or rollback moved `champion` right after this one set it: this one did not stick;
-       the aliases printed are the final ones (MLflow has no atomic alias update: see anchor_rm/promotion.py)
+       the aliases printed are the final ones (MLflow has no atomic alias update: see anchor_rm/pipeline/promotion.py)
 """
 
 from __future__ import annotations
@@ -91,7 +91,7 @@ def main(argv=None) -> int:
     setup_logging(args.verbose)
     os.environ.setdefault("MLFLOW_ENABLE_ARTIFACTS_PROGRESS_BAR", "false")
     with clean_errors():
-        from anchor_rm import promotion, promotion_text
+        from anchor_rm.pipeline import promotion, promotion_text
         from anchor_rm.mlflow_edge import store
         from anchor_rm.mlflow_edge.registry import default_model_name
 

@@ -64,7 +64,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def config_from_args(args):
-    from anchor_rm.config import preset
+    from anchor_rm.pipeline.config import preset
 
     cfg = preset(args.preset, category_of(args))
     if args.source:
@@ -74,7 +74,7 @@ def config_from_args(args):
     cfg.train_ceiling = not args.no_ceiling
     student_flags = ("method", "anchor_lambda", "anchor_layers", "confidence_alpha", "epochs", "batch_size",
                      "learning_rate", "max_length", "frozen_layers", "teacher_labels", *SCALE_FIELDS)
-    from anchor_rm.precision import driver_device_type
+    from anchor_rm.model.precision import driver_device_type
 
     # train.py trains in this process: on its first GPU where it has one, else its CPU; the precision is for that
     return apply_shared_flags(cfg, args, {name: getattr(args, name) for name in student_flags}, driver_device_type())
@@ -84,13 +84,13 @@ def main(argv=None) -> int:
     args = build_parser().parse_args(argv)
     setup_logging(args.verbose)
     with clean_errors():
-        from anchor_rm.experiment import prepare_shared, run_student
-        from anchor_rm.report_files import report_to_markdown
+        from anchor_rm.pipeline.experiment import prepare_shared, run_student
+        from anchor_rm.evaluation.report_files import report_to_markdown
         from anchor_rm.mlflow_edge.store import configure, resolve_tracking_uri
-        from anchor_rm.workflow import training_device
+        from anchor_rm.model.reward_model import training_device
 
         cfg = config_from_args(args)
-        # train.py trains in this process: on its first GPU where it has one (workflow.training_device), else its CPU
+        # train.py trains in this process: on its first GPU where it has one (reward_model.training_device), else its CPU
         if memory_plan_or_dry_run(cfg, args, device=training_device()):
             return 0
         started = time.perf_counter()

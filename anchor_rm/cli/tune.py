@@ -85,11 +85,11 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def tune_config(args):
-    from anchor_rm.config import tune_preset
+    from anchor_rm.pipeline.config import tune_preset
 
     student_train = {"epochs": args.epochs, "frozen_layers": args.frozen_layers, "teacher_labels": args.teacher_labels,
                      "strategy": args.strategy, **{name: getattr(args, name) for name in SCALE_FIELDS}}
-    from anchor_rm.precision import driver_device_type
+    from anchor_rm.model.precision import driver_device_type
 
     # The precision of the driver's own stages, for its device; trials on GPUs resolve --precision for theirs
     return apply_shared_flags(tune_preset(args.preset, category_of(args)), args, student_train, driver_device_type())
@@ -169,7 +169,7 @@ def main(argv=None) -> int:
 
 
 def print_outcome(result, tracking_uri: str) -> None:
-    from anchor_rm.report_files import report_to_markdown
+    from anchor_rm.evaluation.report_files import report_to_markdown
 
     version, seconds = result.final.version, result.seconds
     print(report_to_markdown(result.final.report))

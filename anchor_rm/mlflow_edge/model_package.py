@@ -23,8 +23,8 @@ from mlflow.models import Model, ModelSignature
 from mlflow.types import ColSpec, Schema
 
 from anchor_rm.mlflow_edge import store
-from anchor_rm.mlflow_edge.keys import REPORT_ARTIFACT, REWARD_MODEL_ARTIFACT
-from anchor_rm.models import SCORER_CONFIG, ModelError
+from anchor_rm.evaluation.keys import REPORT_ARTIFACT, REWARD_MODEL_ARTIFACT
+from anchor_rm.model.loading import SCORER_CONFIG, ModelError
 
 MODEL_FORMS = "models:/NAME@ALIAS, models:/NAME/VERSION, runs:/RUN_ID/PATH or a local model folder"
 
@@ -41,10 +41,10 @@ INPUT_EXAMPLE = pd.DataFrame(
 class RewardModelPyfunc(mlflow.pyfunc.PythonModel):
     """`mlflow.pyfunc.load_model("models:/anchor-rm-harmless@champion").predict(df)` with columns prompt and
     response returns a reward per row (and whether the row was truncated to the model's max length), and where the
-    version has an OOD flag (anchor_rm/ood_flag.py), its ood_score and in_domain."""
+    version has an OOD flag (anchor_rm/model/ood_flag.py), its ood_score and in_domain."""
 
     def load_context(self, context):
-        from anchor_rm.workflow import load_saved
+        from anchor_rm.model.reward_model import load_saved
 
         self.reward_model = load_saved(context.artifacts[REWARD_MODEL_ARTIFACT])
         self.scorer = self.reward_model.scorer()

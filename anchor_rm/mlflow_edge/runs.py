@@ -13,7 +13,8 @@ from typing import Any, Callable, Iterator
 import mlflow
 from mlflow.entities import Param, RunStatus
 
-from anchor_rm.mlflow_edge import keys, store
+from anchor_rm.evaluation import keys
+from anchor_rm.mlflow_edge import store
 
 
 @dataclass(frozen=True)
@@ -114,8 +115,8 @@ def log_folder(folder: str | Path, artifact_path: str) -> None:
 
 
 def log_reward_model(rm, extra: dict | None = None, artifact_path: str = keys.MODEL_ARTIFACT) -> None:
-    """A reward model (workflow.RewardModel) saved as a folder into the active run."""
-    from anchor_rm.workflow import save_reward_model
+    """A reward model (reward_model.RewardModel) saved as a folder into the active run."""
+    from anchor_rm.model.reward_model import save_reward_model
 
     with tempfile.TemporaryDirectory() as tmp:
         log_folder(save_reward_model(rm, Path(tmp) / "model", extra), artifact_path)
@@ -123,7 +124,7 @@ def log_reward_model(rm, extra: dict | None = None, artifact_path: str = keys.MO
 
 def log_report(report, artifact_path: str = keys.REPORT_ARTIFACT) -> None:
     """A report's files (JSON, Markdown, PNG) and its test figures as metrics, into the active run."""
-    from anchor_rm.report_files import write_report
+    from anchor_rm.evaluation.report_files import write_report
 
     with tempfile.TemporaryDirectory() as tmp, artifact_writes():
         write_report(report, tmp)
