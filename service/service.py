@@ -7,8 +7,8 @@
 It serves the model ANCHOR_RM_MODEL_URI names (default models:/anchor-rm-harmless@champion) with that
 version's report, and follows the alias when it moves. Settings: service/config.py. The logic lives in
 framework-free modules beside it (schemas.py: requests, responses and their limits; holder.py: the served
-model and its reloads; guard.py: the ASGI guard) and in anchor_rm (scoring, batching); this file is the
-BentoML wiring.
+model and its reloads; guard.py: the ASGI guard; batching.py: the request batcher) and in anchor_rm (the one
+scoring path); this file is the BentoML wiring.
 
 Public endpoints validate a request, then score its pairs through one `ScoreBatcher` (service/batching.py):
 the requests that arrive while a batch is being scored share the next batch, in this process, without a
