@@ -78,7 +78,7 @@ def tiny_bert(minilm_tokenizer):
 # running alone. test_fsdp.py (its sharded LoRA tune run: 8-10 minutes beside the rest, M3) comes before the
 # 3-4-minute modules.
 LONGEST_FIRST = ("test_tune.py", "test_cluster.py", "test_resume.py", "test_fsdp.py", "test_pipeline_train.py",
-                 "test_study.py")
+                 "test_study.py", "test_packaging.py")
 
 
 def pytest_collection_modifyitems(config, items):
