@@ -97,8 +97,8 @@ def run_one(args: argparse.Namespace, variant: str) -> dict:
 
     from anchor_rm.method.losses import resolve_anchor_layers
     from anchor_rm.method.reference_cache import compute_reference_states
-    from anchor_rm.method.training import TrainConfig, train_reward_model
     from anchor_rm.method.stages import frozen_reference
+    from anchor_rm.method.training import TrainConfig, train_reward_model
     from anchor_rm.model.reward_model import load_pretrained
 
     method, layer_choice, cache, frozen_layers = VARIANTS[variant]

@@ -48,12 +48,12 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 def main(argv=None) -> int:
     args = parse_args(argv)
+    from anchor_rm.method.lambda_scale import calibrate_lambda
+    from anchor_rm.method.stages import load_student
+    from anchor_rm.method.training import TrainConfig
+    from anchor_rm.model.precision import driver_device_type, resolve_precision
     from anchor_rm.pipeline.config import preset
     from anchor_rm.pipeline.experiment import build_splits
-    from anchor_rm.method.lambda_scale import calibrate_lambda
-    from anchor_rm.model.precision import driver_device_type, resolve_precision
-    from anchor_rm.method.training import TrainConfig
-    from anchor_rm.method.stages import load_student
 
     cfg = preset("default", args.category)
     cfg.seed = args.seed

@@ -24,8 +24,8 @@ import numpy as np
 import torch
 
 from anchor_rm.model.precision import cpu_model
-from anchor_rm.model.scoring import WIDTH_BUCKET, RewardScorer
 from anchor_rm.model.reward_model import load_pretrained
+from anchor_rm.model.scoring import WIDTH_BUCKET, RewardScorer
 
 
 def texts(n: int) -> list[tuple[str, str]]:

@@ -192,9 +192,9 @@ def register_versions(workdir: Path, model: str, max_length: int, name: str, see
                       experiment: str) -> tuple[str, dict[str, Path]]:
     """One registered version per seed (its reward head's seed) in a SQLite store under workdir, with a
     placeholder report; champion -> the first. Returns (tracking URI, {version: model folder})."""
+    from anchor_rm.evaluation.report import SplitResult, build_report
     from anchor_rm.mlflow_edge import registry, runs
     from anchor_rm.mlflow_edge.store import configure
-    from anchor_rm.evaluation.report import SplitResult, build_report
     from anchor_rm.model.reward_model import save_reward_model
 
     uri = f"sqlite:///{workdir / 'mlflow.db'}"

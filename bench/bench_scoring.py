@@ -50,11 +50,11 @@ def main(argv=None) -> int:
     import numpy as np
 
     from anchor_rm.evaluation.metrics import pairwise_accuracy
-    from anchor_rm.model.scoring import RewardScorer, encode_pairs
-    from anchor_rm.method.training import TrainConfig
     from anchor_rm.evaluation.scores import evaluate_pairs
-    from anchor_rm.model.reward_model import load_pretrained
     from anchor_rm.method.stages import train_on_pairs
+    from anchor_rm.method.training import TrainConfig
+    from anchor_rm.model.reward_model import load_pretrained
+    from anchor_rm.model.scoring import RewardScorer, encode_pairs
 
     caps = {"id_test": args.test_pairs, **({"student_train": args.train_pairs} if args.train_pairs else {})}
     splits = source_splits(args.source, args.seed, caps)

@@ -101,8 +101,8 @@ def train_config(args: argparse.Namespace, **overrides):
 
 def weak_labels(args: argparse.Namespace, splits) -> list[float]:
     """q per student-train pair: the teacher's P(chosen preferred), or 1.0 with --labels gold."""
-    from anchor_rm.model.reward_model import load_pretrained
     from anchor_rm.method.stages import soft_labels, train_on_pairs
+    from anchor_rm.model.reward_model import load_pretrained
 
     if args.labels == "gold":
         return [1.0] * len(splits.student_train)

@@ -45,10 +45,10 @@ def main(argv=None) -> int:
 
     from anchor_rm.data.records import PreferencePair
     from anchor_rm.method.memory_plan import model_shape, plan_memory
-    from anchor_rm.model.precision import resolve_precision
-    from anchor_rm.method.training import TrainConfig, train_reward_model
-    from anchor_rm.model.sharded import load_pretrained_sharded
     from anchor_rm.method.stages import load_student
+    from anchor_rm.method.training import TrainConfig, train_reward_model
+    from anchor_rm.model.precision import resolve_precision
+    from anchor_rm.model.sharded import load_pretrained_sharded
 
     dist.init_process_group("nccl" if args.device == "cuda" else "gloo")
     rank, world = dist.get_rank(), dist.get_world_size()

@@ -163,10 +163,10 @@ class Acceptance:
                 "peak_gib_while_loading": round(_peak_bytes(self.device) / 2**30, 3)}
 
     def anchor_step_full(self) -> dict:
-        from anchor_rm.model.loading import load_tokenizer, resolve_model
-        from anchor_rm.model.encoding import RewardEncoder
-        from anchor_rm.model.sharded import load_pretrained_sharded, save_sharded
         from anchor_rm.method.training import train_reward_model
+        from anchor_rm.model.encoding import RewardEncoder
+        from anchor_rm.model.loading import load_tokenizer, resolve_model
+        from anchor_rm.model.sharded import load_pretrained_sharded, save_sharded
 
         model = self.shared.get("sharded_student") or load_pretrained_sharded(self.args.student, self.device,
                                                                              precision=self.precision)
@@ -222,9 +222,9 @@ class Acceptance:
     def anchor_step_lora(self) -> dict:
         import torch
 
-        from anchor_rm.model.lora import frozen_base_linears
-        from anchor_rm.method.training import train_reward_model
         from anchor_rm.method.stages import load_student
+        from anchor_rm.method.training import train_reward_model
+        from anchor_rm.model.lora import frozen_base_linears
 
         config = self.config(strategy="fsdp2", lora_rank=16, lora_alpha=32.0, activation_checkpointing=True,
                              learning_rate=1e-3)
@@ -243,8 +243,8 @@ class Acceptance:
 
     def lora_steps(self) -> dict:
         from anchor_rm.method.memory_plan import model_shape, plan_memory
-        from anchor_rm.method.training import train_reward_model
         from anchor_rm.method.stages import load_student
+        from anchor_rm.method.training import train_reward_model
 
         args = self.args
         # one GPU, unsharded (DDP's path at one worker): what a LoRA trial on one GPU runs
@@ -285,12 +285,12 @@ class Acceptance:
     def reference_cache(self) -> dict:
         import torch
 
+        from anchor_rm.method.reference_cache import compute_reference_states
+        from anchor_rm.method.stages import frozen_reference
         from anchor_rm.model.encoding import collate
         from anchor_rm.model.precision import autocast
-        from anchor_rm.method.reference_cache import compute_reference_states
-        from anchor_rm.model.scoring import capture_hidden_states, reward_forward
-        from anchor_rm.method.stages import frozen_reference
         from anchor_rm.model.reward_model import load_pretrained
+        from anchor_rm.model.scoring import capture_hidden_states, reward_forward
 
         rm = load_pretrained(self.args.student, 64, 0, meta=True)
         encoded = rm.encode(_pairs(4, 40))
@@ -315,8 +315,8 @@ class Acceptance:
         import numpy as np
         import torch
 
-        from anchor_rm.model.scoring import reward_head
         from anchor_rm.model.reward_model import load_pretrained, load_saved, save_reward_model
+        from anchor_rm.model.scoring import reward_head
         from service.holder import place_for_scoring
 
         folder = save_reward_model(load_pretrained(self.args.student, 256, 0), self.work / "served")

@@ -87,11 +87,11 @@ def measure(source: str, max_length: int, loader: str) -> dict:
     """In this process: the protocol's splits of `source` (the default preset's caps) and the student's
     training pairs tokenised; seconds per stage and peak RSS."""
     from anchor_rm.data.catalog import dataset_digest
-    from anchor_rm.pipeline.config import preset
+    from anchor_rm.data.splits import build_protocol_splits
     from anchor_rm.model.encoding import RewardEncoder
     from anchor_rm.model.loading import load_tokenizer, resolve_model
     from anchor_rm.model.scoring import encode_pairs
-    from anchor_rm.data.splits import build_protocol_splits
+    from anchor_rm.pipeline.config import preset
 
     cfg = preset("default")
     started = time.perf_counter()

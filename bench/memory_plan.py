@@ -38,8 +38,8 @@ def _child(case: str, steps: int, precision: str) -> dict:
     import torch
 
     from anchor_rm.data.records import PreferencePair
-    from anchor_rm.method.training import TrainConfig, train_reward_model
     from anchor_rm.method.stages import frozen_reference
+    from anchor_rm.method.training import TrainConfig, train_reward_model
     from anchor_rm.model.reward_model import load_pretrained
 
     torch.set_num_threads(2)

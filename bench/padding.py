@@ -35,8 +35,8 @@ def main(argv=None) -> int:
         parser.error("--seeds is empty")
 
     from anchor_rm.data.records import DataError
-    from anchor_rm.model.loading import ModelError
     from anchor_rm.method.training import epoch_batches
+    from anchor_rm.model.loading import ModelError
     from anchor_rm.model.reward_model import load_pretrained
 
     rows = []

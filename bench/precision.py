@@ -109,11 +109,11 @@ def attention(calls: int) -> tuple[list[list[str]], dict]:
 def training_step(steps: int) -> tuple[list[list[str]], dict]:
     import torch
 
+    from anchor_rm.data.splits import build_protocol_splits
     from anchor_rm.model.encoding import collate
     from anchor_rm.model.precision import autocast
-    from anchor_rm.model.scoring import reward_forward
-    from anchor_rm.data.splits import build_protocol_splits
     from anchor_rm.model.reward_model import load_pretrained
+    from anchor_rm.model.scoring import reward_forward
 
     splits = build_protocol_splits("hh-helpful-base", [], 0, max_pairs={"student_train": 16})
     rm = load_pretrained("minilm-l6", 128, 0)

@@ -66,18 +66,18 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 def main(argv=None) -> int:
     args = parse_args(argv)
-    from anchor_rm.pipeline.config import preset
-    from anchor_rm.evaluation.metrics import apply_temperature, fit_temperature, label_information
-    from anchor_rm.model.precision import resolve_precision
     from anchor_rm.data.splits import build_protocol_splits, subsample
+    from anchor_rm.evaluation.metrics import apply_temperature, fit_temperature, label_information
     from anchor_rm.method.training import TrainConfig
+    from anchor_rm.model.precision import resolve_precision
+    from anchor_rm.pipeline.config import preset
     import numpy as np
 
     import resource
 
     from anchor_rm.evaluation.scores import evaluate_pairs
-    from anchor_rm.model.reward_model import load_pretrained
     from anchor_rm.method.stages import soft_labels, train_on_pairs
+    from anchor_rm.model.reward_model import load_pretrained
 
     precision = resolve_precision(args.precision)
     cfg = preset("default", args.category)

@@ -60,8 +60,8 @@ def _timed(function, calls: int) -> float:
 
 def one_variant(variant: str, folder: str, calls: int, requested: str) -> float:
     from anchor_rm.model.precision import resolve_precision
-    from service.holder import in_fresh_thread
     from anchor_rm.model.reward_model import load_saved
+    from service.holder import in_fresh_thread
 
     def load():  # resolving the precision runs a matmul: part of loading, on the loading thread
         precision = resolve_precision(requested)

@@ -41,8 +41,8 @@ from scipy.stats import spearmanr
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from anchor_rm.pipeline import study_tables as sr  # noqa: E402
 from anchor_rm.evaluation.metrics import CHANCE, SIGNAL_STANDARD_ERRORS, accuracy_standard_error  # noqa: E402
+from anchor_rm.pipeline import study_tables as sr  # noqa: E402
 
 STUDY = ROOT / "docs" / "results" / "harmless-5-seeds" / "study.json"
 PREVIOUS = ROOT / "docs" / "results" / "study.json"

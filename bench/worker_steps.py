@@ -62,8 +62,8 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 def student_train(seed: int = SEED):
     """(the default main job's protocol config, its student-train pairs)."""
-    from anchor_rm.pipeline.config import tune_preset
     from anchor_rm.data.splits import build_protocol_splits
+    from anchor_rm.pipeline.config import tune_preset
 
     cfg = tune_preset("default", "harmless")  # what `pipelines/tune.py` runs without arguments
     return cfg, build_protocol_splits(cfg.source, [], seed, max_pairs=cfg.max_pairs).student_train
@@ -74,8 +74,8 @@ def workload(steps: int):
     training, over the first `steps` batches' worth of its student-train pairs."""
     import numpy as np
 
-    from anchor_rm.model.precision import resolve_precision
     from anchor_rm.method.training import TrainConfig
+    from anchor_rm.model.precision import resolve_precision
     from anchor_rm.model.reward_model import load_pretrained
 
     cfg, pairs = student_train()
@@ -96,8 +96,8 @@ def time_steps(student: str, encoded, labels, config, steps: int, attention: str
 
     import torch
 
-    from anchor_rm.method.training import train_reward_model
     from anchor_rm.method.stages import load_student
+    from anchor_rm.method.training import train_reward_model
     from bench_common import _busy_seconds, tree_seconds_by_kind
 
     def own_seconds() -> float:

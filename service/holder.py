@@ -51,8 +51,8 @@ def headline_metrics(tags: dict[str, str]) -> dict[str, float | str]:
 
 def _load_report(folder: Path, registered_name: str | None, version: str | None) -> tuple[dict | None, str | None]:
     """(report.json as a dict, None) or (None, why there is none). The report is validated on the way."""
-    from anchor_rm.mlflow_edge import model_package, registry
     from anchor_rm.evaluation.report_files import read_report
+    from anchor_rm.mlflow_edge import model_package, registry
 
     path = model_package.find_report(folder)
     try:

@@ -43,15 +43,15 @@ from bentoml.exceptions import ServiceUnavailable
 from starlette.responses import JSONResponse
 
 from anchor_rm.model import scoring
-from service.batching import QueueTimeout, ScoreBatcher
 from anchor_rm.model.ood_flag import RECENT_PAIRS, RecentShare
 from service import guard, holder, protocols, schemas
+from service.batching import QueueTimeout, ScoreBatcher
+from service.config import gpu_resources, load_settings
 from service.get_routes import GetRoutes
 from service.protocols import ClassifyRequest, RerankRequest, SampleRequest
 from service.schemas import (BestOfNRequest, BestOfNResponse, CompareRequest, CompareResponse, GetRewardRequest,
                              GetRewardResponse, ModelInfo, ModelRef, ReloadResponse, RequestError, ScoreRequest,
                              ScoreResponse)
-from service.config import gpu_resources, load_settings
 
 logger = logging.getLogger("anchor_rm.service")
 SETTINGS = load_settings()

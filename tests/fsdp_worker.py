@@ -47,13 +47,13 @@ def main() -> None:
         dist.init_process_group("gloo")
     rank = dist.get_rank() if distributed else 0
     from anchor_rm.data.records import PreferencePair
+    from anchor_rm.method.training import TrainConfig, train_reward_model
     from anchor_rm.model.encoding import RewardEncoder
-    from anchor_rm.model.lora import add_adapters
     from anchor_rm.model.loading import load_reward_model, load_tokenizer, resolve_model
+    from anchor_rm.model.lora import add_adapters
+    from anchor_rm.model.reward_model import RewardModel, save_reward_model
     from anchor_rm.model.scoring import encode_pairs
     from anchor_rm.model.sharded import load_pretrained_sharded, save_sharded
-    from anchor_rm.method.training import TrainConfig, train_reward_model
-    from anchor_rm.model.reward_model import RewardModel, save_reward_model
 
     tokenizer = load_tokenizer(resolve_model("minilm-l6"))
     base = args.out.parent / "base"

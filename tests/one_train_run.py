@@ -18,11 +18,11 @@ from pathlib import Path
 
 import ray.train  # noqa: E402  (the head's token: from the test's environment, tests/helpers.py: ray_head)
 
-from anchor_rm.pipeline.config import ProtocolConfig  # noqa: E402
 from anchor_rm.data.records import PreferencePair  # noqa: E402
 from anchor_rm.data.splits import ProtocolSplits  # noqa: E402
-from anchor_rm.method.training import TrainConfig  # noqa: E402
 from anchor_rm.evaluation.scores import SplitScore  # noqa: E402
+from anchor_rm.method.training import TrainConfig  # noqa: E402
+from anchor_rm.pipeline.config import ProtocolConfig  # noqa: E402
 from tuning.search import init_ray  # noqa: E402
 from tuning.trainable import SharedPayload, train_run  # noqa: E402
 

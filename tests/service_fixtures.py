@@ -46,8 +46,8 @@ def store(tmp_path_factory, minilm_tokenizer):
     """Two registered versions of tiny random BERTs (different seeds), champion on version 1. Version 1 carries
     an OOD flag (fitted as final_report fits it, on tiny fit pairs); version 2 none (a version registered
     before the flag existed)."""
-    from anchor_rm.mlflow_edge.registry import set_alias
     from anchor_rm.evaluation.scores import fit_ood_flag
+    from anchor_rm.mlflow_edge.registry import set_alias
     from anchor_rm.model.reward_model import load_saved
 
     workdir = tmp_path_factory.mktemp("service")

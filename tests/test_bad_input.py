@@ -169,9 +169,9 @@ def test_a_classifier_with_two_outputs_is_refused_as_a_reward_model(tmp_path, mi
 
 
 def test_frozen_layers_over_an_anchored_layer_are_refused_with_the_plan_for_every_search_choice():
-    from anchor_rm.pipeline.config import preset
     from anchor_rm.method.losses import check_layer_settings
     from anchor_rm.method.memory_plan import protocol_plans
+    from anchor_rm.pipeline.config import preset
 
     check_layer_settings(2, ["last", "middle"], 6)  # middle is [3, 5]
     with pytest.raises(ValueError, match=r"frozen_layers 3 would freeze anchored layer 3 \(anchor_layers 'middle' -> \[3, 5\]\)"):
@@ -204,8 +204,8 @@ def test_a_message_whose_text_is_not_a_string_is_a_400_naming_the_field(content,
 
 
 def test_a_chat_turn_that_is_not_a_message_names_the_file_line_and_field(tmp_path):
-    from anchor_rm.data.records import DataError
     from anchor_rm.data.readers import read_generic
+    from anchor_rm.data.records import DataError
 
     path = tmp_path / "pairs.jsonl"
     turn = {"role": "assistant", "content": "x"}
@@ -217,8 +217,8 @@ def test_a_chat_turn_that_is_not_a_message_names_the_file_line_and_field(tmp_pat
 
 
 def test_a_data_file_is_read_whatever_the_case_of_its_suffix_and_another_suffix_is_named(tmp_path):
-    from anchor_rm.data.records import DataError
     from anchor_rm.data.readers import read_generic
+    from anchor_rm.data.records import DataError
 
     upper = tmp_path / "pairs.JSONL"
     upper.write_text(json.dumps({"prompt": "p", "chosen": "a", "rejected": "b"}) + "\n")

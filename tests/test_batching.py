@@ -188,8 +188,8 @@ def test_a_reward_scored_alone_or_with_any_batch_mates_differs_by_at_most_the_st
     import torch
 
     from anchor_rm.model.encoding import RewardEncoder
-    from anchor_rm.model.scoring import BATCH_INVARIANCE_BOUND, RewardScorer, batch_invariance
     from anchor_rm.model.reward_model import load_pretrained
+    from anchor_rm.model.scoring import BATCH_INVARIANCE_BOUND, RewardScorer, batch_invariance
     from helpers import tiny_llama
 
     assert batch_invariance()["bound"] == BATCH_INVARIANCE_BOUND  # what /model states is what is asserted here

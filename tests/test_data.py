@@ -15,9 +15,9 @@ import pandas as pd
 import pytest
 
 from anchor_rm.data.catalog import CATEGORIES, DATASETS, dataset_digest, load_dataset_pairs, shipped_data_dir
-from anchor_rm.data.records import DataError, PreferencePair, ReadStats
 from anchor_rm.data.readers import (read_generic, read_hh_rlhf, read_hhh, read_hub, read_llmbar, read_pandalm,
                                     read_pku_saferlhf, read_safetext, read_ultrafeedback)
+from anchor_rm.data.records import DataError, PreferencePair, ReadStats
 
 RAW_COUNTS = {
     "hh-helpful-base": 2354, "hh-helpful-online": 1137, "hh-helpful-rejection-sampled": 2749, "hh-harmless-base": 2312,

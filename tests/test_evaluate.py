@@ -83,8 +83,8 @@ def store(tmp_path_factory, minilm_tokenizer):
 def _registered_store(uri: str, root, minilm_tokenizer):
     import mlflow
 
-    from anchor_rm.mlflow_edge import registry
     from anchor_rm.evaluation.report import SplitResult, build_report
+    from anchor_rm.mlflow_edge import registry
 
     experiment_id = mlflow.get_experiment_by_name("anchor-rm-test").experiment_id
     teacher_folder = tiny_model_folder(root / "teacher", minilm_tokenizer, 1, 64, "tiny-teacher", {"stage": "teacher"})
@@ -308,9 +308,9 @@ def test_argument_mistakes(student_folder, tmp_path, capsys):
 # The library functions.
 
 def test_score_sets_marks_the_id_set_and_matches_evaluate_pairs(tiny_bert, minilm_tokenizer, tmp_path):
-    from anchor_rm.pipeline.evaluate_any import evaluation_premise, evaluation_report, load_evaluation_set, score_sets
     from anchor_rm.evaluation.report_files import read_report, write_report
     from anchor_rm.evaluation.scores import evaluate_pairs
+    from anchor_rm.pipeline.evaluate_any import evaluation_premise, evaluation_report, load_evaluation_set, score_sets
 
     student = reward_model(tiny_bert(0), minilm_tokenizer, "s")
     teacher = reward_model(tiny_bert(1), minilm_tokenizer, "t")
@@ -339,8 +339,8 @@ def test_score_sets_marks_the_id_set_and_matches_evaluate_pairs(tiny_bert, minil
         score_sets(student, sets, id_name="nope")
 
     # With an OOD flag, the same pass measures it on every set, against the validation responses of its fit.
-    from anchor_rm.model.ood_flag import measure_sets
     from anchor_rm.evaluation.scores import fit_ood_flag
+    from anchor_rm.model.ood_flag import measure_sets
 
     fit_ood_flag(student, sets[0].pairs, sets[0].pairs[:10], fit_split="student_train", threshold_split="a/val")
     flagged_rows, flagged, _ = score_sets(student, sets, teacher=teacher, id_name=sets[0].name)

@@ -248,8 +248,8 @@ def test_a_checkpoint_during_an_outage_keeps_training_going_and_its_values_arriv
 
 
 def test_a_version_that_fails_after_it_exists_is_removed(sqlite_experiment, tmp_path, minilm_tokenizer, monkeypatch):
-    from anchor_rm.mlflow_edge import registry
     from anchor_rm.evaluation.report import SplitResult, build_report
+    from anchor_rm.mlflow_edge import registry
     from helpers import tiny_model_folder
 
     folder = tiny_model_folder(tmp_path / "model", minilm_tokenizer)

@@ -13,10 +13,10 @@ import resource
 import pytest
 import torch
 
-from anchor_rm.model import precision
 from anchor_rm.data.records import PreferencePair
-from anchor_rm.model.encoding import RewardEncoder
 from anchor_rm.method.training import TrainConfig, train_reward_model
+from anchor_rm.model import precision
+from anchor_rm.model.encoding import RewardEncoder
 from helpers import ROOT, free_port, tiny_llama
 
 pytestmark = pytest.mark.timeout(120)
@@ -79,8 +79,8 @@ def test_fp32_on_a_gpu_computes_its_matmuls_in_tf32(fake_cuda, monkeypatch):
 
 
 def test_trials_on_gpus_get_the_requested_precision_and_trials_on_cpus_the_drivers():
-    from tuning.trainable import SharedPayload, _train_config
     from anchor_rm.pipeline.config import preset
+    from tuning.trainable import SharedPayload, _train_config
 
     cfg = preset("smoke")
     cfg.resolve_precision("auto")
@@ -204,9 +204,9 @@ def test_fsdp2_shards_at_one_worker_and_needs_a_process_group(llama_folder, mini
 # 5. A LoRA student's frozen base in bf16.
 
 def test_a_lora_students_frozen_base_is_held_in_bf16_where_it_computes_bf16(llama_folder, minilm_tokenizer):
+    from anchor_rm.method.stages import load_student
     from anchor_rm.model.lora import frozen_base_linears
     from anchor_rm.model.scoring import encode_pairs, reward_head
-    from anchor_rm.method.stages import load_student
 
     rm = load_student(str(llama_folder), TrainConfig(lora_rank=4, precision="bf16", max_length=32), "cpu")
     base = {id(layer.weight) for layer in frozen_base_linears(rm.model)}
@@ -239,8 +239,8 @@ def test_the_plan_holds_a_lora_base_in_bf16():
 # 6. LoRA checkpoints: the adapters and the head, merged once when exported.
 
 def test_a_lora_training_checkpoint_holds_adapters_alone_and_exports_merged(tmp_path, llama_folder):
-    from anchor_rm.model.reward_model import export_checkpoint, load_saved, save_reward_model
     from anchor_rm.method.stages import load_student
+    from anchor_rm.model.reward_model import export_checkpoint, load_saved, save_reward_model
 
     rm = load_student(str(llama_folder), TrainConfig(lora_rank=4, precision="fp32", max_length=32), "cpu")
     with torch.no_grad():  # trained adapters: not the zeros they start at

@@ -10,8 +10,8 @@ import pytest
 
 from anchor_rm.data import readers, records
 from anchor_rm.data.catalog import HUB_ONLY, data_schema, hub_originals, load_dataset_pairs
-from anchor_rm.data.records import DataError, ReadStats
 from anchor_rm.data.readers import iter_helpsteer3, read_helpsteer3
+from anchor_rm.data.records import DataError, ReadStats
 from anchor_rm.data.splits import clean_pairs
 
 

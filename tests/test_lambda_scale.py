@@ -7,12 +7,12 @@ import torch
 
 from anchor_rm.data.records import PreferencePair
 from anchor_rm.method.drift import DRIFT_PROBE_PAIRS, drift_probe
-from anchor_rm.model.encoding import RewardEncoder
 from anchor_rm.method.lambda_scale import SPAN, LambdaRange, calibrate_lambda, fixed_range
-from anchor_rm.model.lora import add_adapters
-from anchor_rm.method.training import TrainConfig
-from anchor_rm.model.reward_model import RewardModel
 from anchor_rm.method.stages import train_on_pairs
+from anchor_rm.method.training import TrainConfig
+from anchor_rm.model.encoding import RewardEncoder
+from anchor_rm.model.lora import add_adapters
+from anchor_rm.model.reward_model import RewardModel
 from helpers import tiny_llama, tiny_reward_model
 
 pytestmark = pytest.mark.timeout(120)

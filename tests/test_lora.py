@@ -7,10 +7,10 @@ import pytest
 import torch
 
 from anchor_rm.data.records import PreferencePair
+from anchor_rm.method.training import TrainConfig, train_reward_model
 from anchor_rm.model.encoding import RewardEncoder
 from anchor_rm.model.lora import add_adapters, adapters_off, is_adapted
 from anchor_rm.model.scoring import encode_pairs, reward_forward
-from anchor_rm.method.training import TrainConfig, train_reward_model
 from helpers import tiny_llama
 
 

@@ -6,9 +6,9 @@ import subprocess
 
 import pytest
 
-from anchor_rm.model.lora import add_adapters
 from anchor_rm.method.memory_plan import MemoryPlanError, check_plan, model_shape, plan_memory
 from anchor_rm.model.loading import load_model_config
+from anchor_rm.model.lora import add_adapters
 from helpers import PYTHON, ROOT, tiny_llama
 
 GB = 10**9

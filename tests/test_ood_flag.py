@@ -8,10 +8,10 @@ import pytest
 import torch
 
 from anchor_rm.data.records import PreferencePair
-from anchor_rm.model.ood_flag import (ARRAYS_FILE, INFO_FILE, FlaggedSet, auroc, fit_density, ledoit_wolf,
-                                      load_density, measure_sets)
 from anchor_rm.evaluation.report import SplitResult, build_report, report_from_dict
 from anchor_rm.evaluation.report_files import report_to_markdown
+from anchor_rm.model.ood_flag import (ARRAYS_FILE, INFO_FILE, FlaggedSet, auroc, fit_density, ledoit_wolf,
+                                      load_density, measure_sets)
 
 RNG = np.random.default_rng(0)
 
@@ -107,10 +107,10 @@ def pairs(n, dataset="toy", offset=0):
 def test_scoring_reads_the_last_layers_mean_over_the_anchored_positions_in_the_same_pass(architecture, minilm_tokenizer):
     from helpers import tiny_bert, tiny_llama
 
-    from anchor_rm.model.encoding import RewardEncoder, collate
-    from anchor_rm.model.scoring import reward_forward
-    from anchor_rm.model.reward_model import RewardModel
     from anchor_rm.evaluation.scores import fit_ood_flag
+    from anchor_rm.model.encoding import RewardEncoder, collate
+    from anchor_rm.model.reward_model import RewardModel
+    from anchor_rm.model.scoring import reward_forward
 
     model = (tiny_bert if architecture == "bert" else tiny_llama)(minilm_tokenizer, 0).eval()
     rm = RewardModel(model, minilm_tokenizer, RewardEncoder(minilm_tokenizer, 40, decoder=architecture == "llama"), "tiny")
@@ -189,9 +189,9 @@ def test_an_empty_response_scores_with_a_finite_reward_and_ood_score(architectur
     """A policy may stop at once: /score, /best_of_n and /get_reward score an empty response like any other."""
     from helpers import tiny_bert, tiny_llama
 
+    from anchor_rm.evaluation.scores import fit_ood_flag
     from anchor_rm.model.encoding import RewardEncoder
     from anchor_rm.model.reward_model import RewardModel
-    from anchor_rm.evaluation.scores import fit_ood_flag
 
     model = (tiny_bert if architecture == "bert" else tiny_llama)(minilm_tokenizer, 0).eval()
     rm = RewardModel(model, minilm_tokenizer, RewardEncoder(minilm_tokenizer, 40, decoder=architecture == "llama"), "tiny")

@@ -124,10 +124,10 @@ def test_a_version_registered_as_a_pickled_class_keeps_loading(tmp_path, minilm_
     import mlflow
     import pandas as pd
 
-    from anchor_rm.mlflow_edge import model_package
     from anchor_rm.evaluation.keys import REPORT_ARTIFACT, REWARD_MODEL_ARTIFACT
-    from anchor_rm.registry import RewardModelPyfunc as OldName
     from anchor_rm.evaluation.report_files import write_report
+    from anchor_rm.mlflow_edge import model_package
+    from anchor_rm.registry import RewardModelPyfunc as OldName
 
     with sqlite_store(tmp_path, "packaging-old") as uri:
         folder = tiny_model_folder(tmp_path / "student", minilm_tokenizer, 0, 64, "tiny", {"method": "naive"})

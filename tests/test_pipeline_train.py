@@ -74,9 +74,9 @@ def test_smoke_run_is_fully_recorded_on_a_tracking_server(tmp_path):
         from transformers import AutoModelForSequenceClassification
         model = AutoModelForSequenceClassification.from_pretrained(local / "model")
         assert model.config.num_labels == 1 and model.config.pad_token_id is not None
+        from anchor_rm.data.splits import build_protocol_splits
         from anchor_rm.evaluation.scores import evaluate_pairs
         from anchor_rm.model.reward_model import load_saved
-        from anchor_rm.data.splits import build_protocol_splits
         from anchor_rm.pipeline.config import preset
         cfg = preset("smoke")
         splits = build_protocol_splits(cfg.source, cfg.targets, cfg.seed, max_pairs=cfg.max_pairs)

@@ -11,11 +11,11 @@ import numpy as np
 import pytest
 import torch
 
-from anchor_rm.model import precision
-from anchor_rm.pipeline.config import ProtocolConfig
 from anchor_rm.data.records import PreferencePair
+from anchor_rm.model import precision
 from anchor_rm.model.encoding import RewardEncoder, collate
 from anchor_rm.model.scoring import RewardScorer, encode_pairs
+from anchor_rm.pipeline.config import ProtocolConfig
 
 
 @pytest.fixture

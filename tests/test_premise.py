@@ -108,9 +108,9 @@ def test_an_experiments_report_carries_the_check_of_its_naive_w2s_or_says_why_no
     selected version and a naive train.py run carry), as JSON a report holds (no NaN); "not measured" with why."""
     from types import SimpleNamespace
 
-    from anchor_rm.pipeline.experiment import premise_of
     from anchor_rm.evaluation.report_summary import headline_tags
     from anchor_rm.evaluation.scores import scores_from_dict
+    from anchor_rm.pipeline.experiment import premise_of
     from test_report import example_report
 
     points = {"teacher": {"src": 60, "a": 60}, "ceiling": {"src": 80, "a": 60}, "naive": {"src": 70, "a": 50}}

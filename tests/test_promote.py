@@ -11,10 +11,10 @@ import mlflow
 import pytest
 from mlflow.tracking import MlflowClient
 
-from anchor_rm.pipeline import promotion, promotion_text
 from anchor_rm.evaluation import report_summary
-from anchor_rm.mlflow_edge import registry
 from anchor_rm.evaluation.report import SplitResult, build_report
+from anchor_rm.mlflow_edge import registry
+from anchor_rm.pipeline import promotion, promotion_text
 from helpers import PYTHON, ROOT, register_version, run_pipeline, sqlite_store, tiny_model_folder
 
 NAME = registry.default_model_name("harmless")  # promote.py's default name

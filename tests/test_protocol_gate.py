@@ -5,9 +5,9 @@ from __future__ import annotations
 import pytest
 
 from anchor_rm.data.records import PreferencePair
-from anchor_rm.pipeline.experiment import SharedStages
 from anchor_rm.data.splits import ProtocolSplits
 from anchor_rm.mlflow_edge.runs import StageRun
+from anchor_rm.pipeline.experiment import SharedStages
 
 
 def _scores(**accuracies) -> dict:
@@ -92,8 +92,8 @@ def test_students_get_the_teachers_labels_raw_or_scaled_by_its_fitted_temperatur
 
 @pytest.mark.timeout(60)
 def test_the_final_report_takes_the_validation_scores_training_measured_instead_of_scoring_again(monkeypatch):
-    from anchor_rm.pipeline import experiment
     from anchor_rm.evaluation.scores import scores_from_dict
+    from anchor_rm.pipeline import experiment
 
     teacher = _scores(hh_helpful=58.0, ultrafeedback=55.0, llmbar=45.0, pandalm=60.0)
     shared = _shared(teacher, _scores(hh_helpful=66.0, ultrafeedback=61.0, llmbar=56.0, pandalm=62.0))

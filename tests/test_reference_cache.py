@@ -9,11 +9,11 @@ import pytest
 import torch
 
 from anchor_rm.data.records import PreferencePair
-from anchor_rm.model.encoding import RewardEncoder
 from anchor_rm.method.reference_cache import (DiskReferenceStates, choose_reference_cache, compute_reference_states,
                                               estimate_reference_nbytes, open_reference_states)
-from anchor_rm.model.scoring import encode_pairs
 from anchor_rm.method.training import TrainConfig, train_reward_model
+from anchor_rm.model.encoding import RewardEncoder
+from anchor_rm.model.scoring import encode_pairs
 
 MB = 10**6
 

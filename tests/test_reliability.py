@@ -27,10 +27,10 @@ import mlflow
 import pytest
 from mlflow.tracking import MlflowClient
 
+from anchor_rm.evaluation.report import SplitResult, build_report
 from anchor_rm.mlflow_edge import registry
 from anchor_rm.mlflow_edge.store import configure
 from anchor_rm.mlflow_edge.writer import OUTAGE_ENV, BufferedRunWriter, TrackingUnavailable, outage_seconds_from_env
-from anchor_rm.evaluation.report import SplitResult, build_report
 from helpers import (PYTHON, ROOT, free_port, ray_head, run_pipeline, start_mlflow_server, stop_process_group,
                      tiny_model_folder)
 from tuning.trainable import STEP_HOOK_ENV

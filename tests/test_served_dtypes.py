@@ -13,8 +13,8 @@ import pytest
 import torch
 
 from anchor_rm.model.encoding import RewardEncoder
-from anchor_rm.model.scoring import RewardScorer, reward_head
 from anchor_rm.model.reward_model import RewardModel, load_saved, save_reward_model
+from anchor_rm.model.scoring import RewardScorer, reward_head
 from helpers import tiny_llama
 from service.config import Settings, SettingsError, declared_gpus, gpu_resources, load_settings
 from service.holder import load_served_model, place_for_scoring

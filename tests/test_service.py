@@ -16,8 +16,8 @@ import pytest
 import torch
 from mlflow.tracking import MlflowClient
 
-from anchor_rm.model import scoring
 from anchor_rm.evaluation.report import SplitResult, build_report
+from anchor_rm.model import scoring
 from anchor_rm.model.reward_model import load_saved
 from helpers import register_version, sqlite_store, tiny_model_folder
 from service import schemas

@@ -11,8 +11,8 @@ import torch
 
 from anchor_rm.data.records import PreferencePair
 from anchor_rm.model.encoding import RewardEncoder
-from anchor_rm.model.scoring import RewardScorer, encode_pairs
 from anchor_rm.model.reward_model import RewardModel
+from anchor_rm.model.scoring import RewardScorer, encode_pairs
 from helpers import run_pipeline
 
 
@@ -26,8 +26,8 @@ def _rm(model, tokenizer, max_length=32):
 
 
 def test_drift_is_zero_for_the_reference_itself_and_grows_with_perturbation(tiny_bert, minilm_tokenizer):
-    from anchor_rm.method.drift import evaluate_with_drift, evaluation_reference
     from anchor_rm.evaluation.scores import evaluate_pairs
+    from anchor_rm.method.drift import evaluate_with_drift, evaluation_reference
 
     pairs = _pairs()
     reference = tiny_bert(0).eval()
@@ -100,8 +100,8 @@ def _drift(msd: float) -> dict:
 
 
 def test_tuned_rows_select_on_validation_never_on_test(tmp_path):
-    from anchor_rm.pipeline.study_tables import rows_for
     from anchor_rm.pipeline.study_report import write_study_report
+    from anchor_rm.pipeline.study_tables import rows_for
 
     # Validation prefers lambda 1e-3; test would prefer 1e-1. The tuned row must report 1e-3's test figures.
     instances = [_instance(seed, {1e-3: 4.0, 1e-1: 1.0}, {1e-3: 61.0 + seed, 1e-1: 70.0}) for seed in (0, 1)]
@@ -123,8 +123,8 @@ def test_tuned_rows_select_on_validation_never_on_test(tmp_path):
 
 
 def test_study_settings_put_every_method_on_the_chosen_labels_and_the_other_labels_on_naive_only():
-    from anchor_rm.pipeline.study import StudyConfig, budget_settings, setting_label, student_settings
     from anchor_rm.method.training import TrainConfig
+    from anchor_rm.pipeline.study import StudyConfig, budget_settings, setting_label, student_settings
 
     study = StudyConfig(categories=["harmless"], seeds=[0], lambdas=[1e-3], layer_choices=["last"],
                         confidence_alphas=[0.5], teacher_labels=["raw", "calibrated"], budgets=[(1e-4, 2), (3e-4, 1)],
@@ -152,8 +152,8 @@ def test_study_settings_put_every_method_on_the_chosen_labels_and_the_other_labe
 
 
 def test_label_rows_compare_naive_on_raw_and_scaled_labels_and_the_teacher_table_shows_the_temperature(tmp_path):
-    from anchor_rm.pipeline.study_tables import rows_for
     from anchor_rm.pipeline.study_report import write_study_report
+    from anchor_rm.pipeline.study_tables import rows_for
 
     instances = [_instance(seed, {1e-3: 4.0}, {1e-3: 61.0}) for seed in (0, 1)]
     for inst in instances:
@@ -369,8 +369,8 @@ def test_the_primary_comparison_is_written_first_with_its_bootstrap(tmp_path):
 
 
 def test_the_gap_table_marks_each_seed_by_its_ceiling_over_teacher_interval_and_names_flagged_targets(tmp_path):
-    from anchor_rm.pipeline.study_tables import gap_table, id_gap
     from anchor_rm.pipeline.study_report import write_study_report
+    from anchor_rm.pipeline.study_tables import gap_table, id_gap
 
     clear, unclear = _instance(0, {1e-3: 4.0}, {1e-3: 61.0}), _instance(1, {1e-3: 4.0}, {1e-3: 61.0})
     # Seed 0, paired: the ceiling gets right every pair the teacher does and 6 more of 100: +6, SE 2.39 -> clear.

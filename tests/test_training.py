@@ -2,10 +2,10 @@ import pytest
 import torch
 
 from anchor_rm.data.records import PreferencePair
-from anchor_rm.model.encoding import RewardEncoder
 from anchor_rm.evaluation.metrics import pairwise_accuracy
-from anchor_rm.model.scoring import RewardScorer, encode_pairs
 from anchor_rm.method.training import TrainConfig, epoch_batches, train_reward_model
+from anchor_rm.model.encoding import RewardEncoder
+from anchor_rm.model.scoring import RewardScorer, encode_pairs
 
 
 def _pairs(n=48):
@@ -74,9 +74,9 @@ def test_config_validation_names_the_field():
 
 
 def test_cached_reference_states_give_the_uncached_anchor_loss(tiny_bert, minilm_tokenizer):
-    from anchor_rm.model.encoding import collate
     from anchor_rm.method.losses import anchor_loss
     from anchor_rm.method.reference_cache import compute_reference_states
+    from anchor_rm.model.encoding import collate
     from anchor_rm.model.scoring import reward_forward
 
     enc = RewardEncoder(minilm_tokenizer, 32, decoder=False)

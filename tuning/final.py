@@ -10,18 +10,18 @@ import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
-from anchor_rm.pipeline.config import ProtocolConfig
-from anchor_rm.method.drift import drift_reduction
-from anchor_rm.pipeline.experiment import SharedStages, final_report, premise_of
-from anchor_rm.method.lambda_scale import LambdaRange
-from anchor_rm.evaluation.metrics import difference_standard_error
 from anchor_rm.evaluation import keys
+from anchor_rm.evaluation.metrics import difference_standard_error
+from anchor_rm.evaluation.report import EvaluationReport
+from anchor_rm.evaluation.scores import scores_from_dict
+from anchor_rm.method.drift import drift_reduction
+from anchor_rm.method.lambda_scale import LambdaRange
 from anchor_rm.mlflow_edge import runs
 from anchor_rm.mlflow_edge.registry import RegisteredVersion, log_and_register
-from anchor_rm.evaluation.report import EvaluationReport
 from anchor_rm.mlflow_edge.writer import PENDING_FILE
 from anchor_rm.model.reward_model import export_checkpoint, load_saved, training_device
-from anchor_rm.evaluation.scores import scores_from_dict
+from anchor_rm.pipeline.config import ProtocolConfig
+from anchor_rm.pipeline.experiment import SharedStages, final_report, premise_of
 from tuning.search import SELECTION_RULE, TrialOutcome, best_trial, tied_with
 from tuning.trainable import TRAINING_STATE, VALIDATION_SCORES
 

@@ -12,17 +12,17 @@ from dataclasses import dataclass, field, replace
 from datetime import datetime
 from pathlib import Path
 
-from anchor_rm.pipeline.config import TUNE_SAMPLES, ProtocolConfig
-from anchor_rm.pipeline.experiment import STAGE_VERSION, prepare_shared
 from anchor_rm.evaluation import keys
+from anchor_rm.evaluation.keys import cache_key
+from anchor_rm.method.lambda_scale import (CALIBRATION_STEPS, SPAN, UNCALIBRATED_RANGE, LambdaRange, calibrate_lambda,
+                                           fixed_range)
+from anchor_rm.method.stages import load_student
 from anchor_rm.mlflow_edge import runs
 from anchor_rm.mlflow_edge.store import configure
 from anchor_rm.mlflow_edge.writer import outage_seconds_from_env
-from anchor_rm.method.lambda_scale import (CALIBRATION_STEPS, SPAN, UNCALIBRATED_RANGE, LambdaRange, calibrate_lambda,
-                                           fixed_range)
-from anchor_rm.evaluation.keys import cache_key
-from anchor_rm.method.stages import load_student
 from anchor_rm.model.reward_model import release_device_memory
+from anchor_rm.pipeline.config import TUNE_SAMPLES, ProtocolConfig
+from anchor_rm.pipeline.experiment import STAGE_VERSION, prepare_shared
 from tuning.final import FinalResult, register_selected
 from tuning.search import init_ray, run_search
 from tuning.space import LAYER_CHOICES

@@ -22,8 +22,8 @@ from ray import tune
 from anchor_rm.mlflow_edge.writer import OUTAGE_ENV
 from tuning.callbacks import MlflowTrialStatus, ProgressLog
 from tuning.orphans import record_driver, release_orphaned_placement_groups
-from tuning.storage import experiment_filesystem
 from tuning.space import DRIFT_RESULT, METRIC, make_scheduler, make_searcher
+from tuning.storage import experiment_filesystem
 from tuning.trainable import DRIVER_RESOURCES, STEP_HOOK_ENV, SharedPayload, trial_driver
 
 log = logging.getLogger("anchor_rm")

@@ -22,8 +22,8 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from anchor_rm.pipeline.config import ProtocolConfig
 from anchor_rm.data.splits import ProtocolSplits
+from anchor_rm.pipeline.config import ProtocolConfig
 from tuning.space import DRIFT_RESULT, METRIC, trial_method_config
 from tuning.storage import experiment_filesystem
 
@@ -119,12 +119,12 @@ def train_loop_per_worker(config: dict) -> None:
     import ray.train.torch
 
     from anchor_rm.method.drift import drift_probe
-    from anchor_rm.model.lora import ADAPTER_FOLDER
-    from anchor_rm.mlflow_edge.writer import BufferedRunWriter
-    from anchor_rm.model.precision import resolve_precision
-    from anchor_rm.model.sharded import SHARDED_FOLDER
-    from anchor_rm.model.reward_model import load_saved
     from anchor_rm.method.stages import load_student
+    from anchor_rm.mlflow_edge.writer import BufferedRunWriter
+    from anchor_rm.model.lora import ADAPTER_FOLDER
+    from anchor_rm.model.precision import resolve_precision
+    from anchor_rm.model.reward_model import load_saved
+    from anchor_rm.model.sharded import SHARDED_FOLDER
 
     payload: SharedPayload = config["payload"]
     torch.set_num_threads(payload.threads_per_worker)
@@ -182,13 +182,13 @@ def _train_trial(payload: SharedPayload, config: dict, train_cfg, rm, device, ra
     import ray.train
 
     from anchor_rm.evaluation import keys
+    from anchor_rm.evaluation.scores import scores_from_dict, scores_to_dict
+    from anchor_rm.method.stages import frozen_reference
+    from anchor_rm.method.student import NoSink, Validation, train_student
     from anchor_rm.mlflow_edge import runs
     from anchor_rm.mlflow_edge.writer import BufferedRunWriter
-    from anchor_rm.model.sharded import load_pretrained_sharded, save_sharded
-    from anchor_rm.method.student import NoSink, Validation, train_student
-    from anchor_rm.method.stages import frozen_reference
     from anchor_rm.model.reward_model import save_reward_model
-    from anchor_rm.evaluation.scores import scores_from_dict, scores_to_dict
+    from anchor_rm.model.sharded import load_pretrained_sharded, save_sharded
 
     cfg, run_id = payload.cfg, config["mlflow_run_id"]
     rm.model.train()
@@ -371,8 +371,8 @@ def make_payload(cfg: ProtocolConfig, shared, *, tracking_uri: str, experiment_i
     import ray
 
     from anchor_rm.method.reference_cache import ReferenceStates
-    from anchor_rm.model.reward_model import load_pretrained
     from anchor_rm.method.stages import reference_states
+    from anchor_rm.model.reward_model import load_pretrained
     from tuning.space import LAYER_CHOICES
 
     gpus = ray.cluster_resources().get("GPU", 0)

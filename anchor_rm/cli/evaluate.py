@@ -97,10 +97,10 @@ def _uses_mlflow(args) -> bool:
 
 
 def evaluate(args) -> int:
-    from anchor_rm.pipeline import evaluate_any as ev
+    from anchor_rm.evaluation.report_files import report_to_markdown
     from anchor_rm.mlflow_edge import store
     from anchor_rm.model.precision import driver_device_type, resolve_precision
-    from anchor_rm.evaluation.report_files import report_to_markdown
+    from anchor_rm.pipeline import evaluate_any as ev
 
     _check_args(args)
     precision = resolve_precision(args.precision, driver_device_type())  # for the device it scores on

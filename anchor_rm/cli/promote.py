@@ -91,9 +91,9 @@ def main(argv=None) -> int:
     setup_logging(args.verbose)
     os.environ.setdefault("MLFLOW_ENABLE_ARTIFACTS_PROGRESS_BAR", "false")
     with clean_errors():
-        from anchor_rm.pipeline import promotion, promotion_text
         from anchor_rm.mlflow_edge import store
         from anchor_rm.mlflow_edge.registry import default_model_name
+        from anchor_rm.pipeline import promotion, promotion_text
 
         name = args.name or default_model_name(args.category)
         try:

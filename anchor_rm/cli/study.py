@@ -111,10 +111,10 @@ def main(argv=None) -> int:
     args = build_parser().parse_args(argv)
     setup_logging(args.verbose)
     with clean_errors():
-        from anchor_rm.pipeline.study import StudyConfig, check_out_folder, run_study
         from anchor_rm.evaluation.report_files import write_atomically
-        from anchor_rm.pipeline.study_report import write_study_report
         from anchor_rm.mlflow_edge.store import configure, resolve_tracking_uri
+        from anchor_rm.pipeline.study import StudyConfig, check_out_folder, run_study
+        from anchor_rm.pipeline.study_report import write_study_report
 
         study = StudyConfig(categories=args.categories, seeds=args.seeds, lambdas=args.lambdas, layer_choices=args.layers,
                             confidence_alphas=args.confidence_alphas, teacher_labels=args.teacher_labels,

@@ -84,10 +84,10 @@ def main(argv=None) -> int:
     args = build_parser().parse_args(argv)
     setup_logging(args.verbose)
     with clean_errors():
-        from anchor_rm.pipeline.experiment import prepare_shared, run_student
         from anchor_rm.evaluation.report_files import report_to_markdown
         from anchor_rm.mlflow_edge.store import configure, resolve_tracking_uri
         from anchor_rm.model.reward_model import training_device
+        from anchor_rm.pipeline.experiment import prepare_shared, run_student
 
         cfg = config_from_args(args)
         # train.py trains in this process: on its first GPU where it has one (reward_model.training_device), else its CPU

@@ -16,9 +16,9 @@ from pathlib import Path
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any
 
-from anchor_rm.data.records import DataError, PreferencePair, ReadStats
 from anchor_rm.data.readers import (iter_generic, iter_helpsteer3, iter_hh_rlhf, iter_hhh, iter_hub, iter_llmbar,
                                     iter_pandalm, iter_pku_saferlhf, iter_safetext, iter_ultrafeedback)
+from anchor_rm.data.records import DataError, PreferencePair, ReadStats
 from anchor_rm.data.safety_readers import iter_diasafety, iter_xstest
 
 DATA_DIR_ENV = "ANCHOR_RM_DATA_DIR"

@@ -15,8 +15,8 @@ import re
 from collections.abc import Iterator
 from pathlib import Path
 
-from anchor_rm.data.records import DataError, PreferencePair, ReadStats, Record, _decode, generic_pair
 from anchor_rm.data.readers import _parse_records
+from anchor_rm.data.records import DataError, PreferencePair, ReadStats, Record, _decode, generic_pair
 
 DIASAFETY_FILES = ("train.json", "val.json", "test.json")
 # DiaSafety has up to 56 Safe x Unsafe pairs on one context: at most this many per context, in file order.

@@ -21,8 +21,8 @@ from dataclasses import asdict, dataclass, field
 from collections.abc import Callable, Iterable, Mapping, Sequence
 
 from anchor_rm.data.catalog import iter_dataset_pairs
-from anchor_rm.data.records import DataError, PreferencePair
 from anchor_rm.data.progress import Progress
+from anchor_rm.data.records import DataError, PreferencePair
 
 # Shares of the source's pairs by prompt group, cut in this order. teacher_calibration is gold data of the
 # teacher's share that the teacher does not train on and no student sees: the temperature of its soft labels is

@@ -13,9 +13,9 @@ import tempfile
 from pathlib import Path
 
 from anchor_rm.evaluation.metrics import accuracy_standard_error, difference_standard_error
-from anchor_rm.model.ood_flag import block_markdown
-from anchor_rm.evaluation.report_checks import EVALUATION, PROTOCOL
 from anchor_rm.evaluation.report import REPORT_FILENAMES, EvaluationReport, SplitResult, report_from_dict
+from anchor_rm.evaluation.report_checks import EVALUATION, PROTOCOL
+from anchor_rm.model.ood_flag import block_markdown
 
 
 def _accuracy_cell(accuracy: float | None, n_pairs: int) -> str:

@@ -17,9 +17,9 @@ import numpy as np
 import torch
 
 from anchor_rm.data.records import PreferencePair
+from anchor_rm.evaluation.scores import SplitScore, evaluate_pairs
 from anchor_rm.method.reference_cache import ReferenceStates, compute_reference_states, encoded_digest
 from anchor_rm.model.reward_model import RewardModel
-from anchor_rm.evaluation.scores import SplitScore, evaluate_pairs
 
 
 @dataclass(frozen=True)

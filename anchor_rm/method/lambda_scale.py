@@ -32,13 +32,13 @@ import torch
 
 from anchor_rm.data.records import PreferencePair
 from anchor_rm.method.drift import DRIFT_PROBE_PAIRS, evaluate_with_drift, evaluation_reference
-from anchor_rm.model.encoding import collate
 from anchor_rm.method.losses import anchor_loss, resolve_anchor_layers, soft_bradley_terry_loss
-from anchor_rm.model.precision import autocast
-from anchor_rm.model.scoring import capture_hidden_states, fp32_reward_head, reward_forward
-from anchor_rm.method.training import TrainConfig
-from anchor_rm.model.reward_model import RewardModel
 from anchor_rm.method.stages import train_on_pairs
+from anchor_rm.method.training import TrainConfig
+from anchor_rm.model.encoding import collate
+from anchor_rm.model.precision import autocast
+from anchor_rm.model.reward_model import RewardModel
+from anchor_rm.model.scoring import capture_hidden_states, fp32_reward_head, reward_forward
 
 log = logging.getLogger("anchor_rm")
 

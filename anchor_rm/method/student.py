@@ -12,13 +12,13 @@ from dataclasses import dataclass, field
 from typing import Callable, Protocol, Sequence
 
 from anchor_rm.data.records import PreferencePair
-from anchor_rm.method.drift import DriftProbe
-from anchor_rm.evaluation import keys
 from anchor_rm.data.splits import ProtocolSplits
+from anchor_rm.evaluation import keys
+from anchor_rm.evaluation.scores import evaluate_model
+from anchor_rm.method.drift import DriftProbe
+from anchor_rm.method.stages import train_on_pairs
 from anchor_rm.method.training import StepLog, TrainConfig, TrainResult
 from anchor_rm.model.reward_model import RewardModel
-from anchor_rm.evaluation.scores import evaluate_model
-from anchor_rm.method.stages import train_on_pairs
 
 
 class MetricSink(Protocol):

@@ -22,14 +22,14 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from anchor_rm.model.encoding import collate
+from anchor_rm.data.progress import Progress
 from anchor_rm.method.losses import (anchor_loss, confidence_alpha, confidence_w2s_loss, check_layer_settings,
                                      resolve_anchor_layers, soft_bradley_terry_loss)
-from anchor_rm.model.lora import adapter_parameter, adapters_off, is_adapted
-from anchor_rm.model.loading import freeze_lower_layers
-from anchor_rm.model.precision import autocast, check_precision
-from anchor_rm.data.progress import Progress
 from anchor_rm.method.reference_cache import ReferenceStates, encoded_digest
+from anchor_rm.model.encoding import collate
+from anchor_rm.model.loading import freeze_lower_layers
+from anchor_rm.model.lora import adapter_parameter, adapters_off, is_adapted
+from anchor_rm.model.precision import autocast, check_precision
 from anchor_rm.model.scoring import EncodedPairs, capture_hidden_states, fp32_reward_head, reward_forward
 from anchor_rm.model.sharded import is_sharded, load_sharded, shard_model
 

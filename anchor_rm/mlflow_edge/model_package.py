@@ -22,8 +22,8 @@ import pandas as pd
 from mlflow.models import Model, ModelSignature
 from mlflow.types import ColSpec, Schema
 
-from anchor_rm.mlflow_edge import store
 from anchor_rm.evaluation.keys import REPORT_ARTIFACT, REWARD_MODEL_ARTIFACT
+from anchor_rm.mlflow_edge import store
 from anchor_rm.model.loading import SCORER_CONFIG, ModelError
 
 MODEL_FORMS = "models:/NAME@ALIAS, models:/NAME/VERSION, runs:/RUN_ID/PATH or a local model folder"

@@ -16,11 +16,11 @@ from pathlib import Path
 import mlflow
 
 from anchor_rm.evaluation import keys
-from anchor_rm.mlflow_edge import model_package, store
-from anchor_rm.mlflow_edge.runs import artifact_writes
 from anchor_rm.evaluation.report import EvaluationReport
 from anchor_rm.evaluation.report_files import read_report, write_report
 from anchor_rm.evaluation.report_summary import describe, headline_tags
+from anchor_rm.mlflow_edge import model_package, store
+from anchor_rm.mlflow_edge.runs import artifact_writes
 
 log = logging.getLogger("anchor_rm")
 

@@ -11,10 +11,10 @@ from typing import Callable, Sequence
 import numpy as np
 import torch
 
+from anchor_rm.data.progress import Progress
 from anchor_rm.data.records import PreferencePair
 from anchor_rm.model.encoding import EncodedText, RewardEncoder, collate
 from anchor_rm.model.precision import autocast, check_precision
-from anchor_rm.data.progress import Progress
 
 
 @dataclass(frozen=True)

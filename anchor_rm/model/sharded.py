@@ -63,8 +63,8 @@ def load_pretrained_sharded(name: str, device: torch.device | str, *, precision:
     import torch.distributed as dist
     from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
 
-    from anchor_rm.model.lora import add_adapters, hold_frozen_base_in
     from anchor_rm.model.loading import load_reward_model, resolve_model, reward_model_on_meta
+    from anchor_rm.model.lora import add_adapters, hold_frozen_base_in
 
     device = torch.device(device)
     source = resolve_model(name)

@@ -5,9 +5,9 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, field
 
 from anchor_rm.data.catalog import CATEGORIES, hub_originals
-from anchor_rm.model.precision import check_precision, resolve_precision
 from anchor_rm.data.splits import SOURCE_FRACTIONS
 from anchor_rm.method.training import TrainConfig
+from anchor_rm.model.precision import check_precision, resolve_precision
 
 
 @dataclass

@@ -18,15 +18,15 @@ from typing import Any, Sequence
 
 from anchor_rm.data.catalog import dataset_digest, load_dataset_pairs
 from anchor_rm.data.records import DataError, PreferencePair, ReadStats
+from anchor_rm.data.splits import CleanCounts, clean_pairs, subsample
 from anchor_rm.evaluation.keys import EVALUATED_RUN_TAG, METHOD_TAG, MODEL_URI_TAG, STAGE_TAG, TEACHER_RUN_TAG
+from anchor_rm.evaluation.report import EvaluationReport, SplitResult, build_report
+from anchor_rm.evaluation.report_checks import EVALUATION
+from anchor_rm.evaluation.scores import evaluate_pairs, evaluate_pairs_with_ood, flagged_set
 from anchor_rm.mlflow_edge.model_package import ResolvedModel, resolve_model_uri
 from anchor_rm.model.loading import ModelError
 from anchor_rm.model.ood_flag import FlaggedSet, measure_sets
-from anchor_rm.evaluation.report_checks import EVALUATION
-from anchor_rm.evaluation.report import EvaluationReport, SplitResult, build_report
-from anchor_rm.data.splits import CleanCounts, clean_pairs, subsample
 from anchor_rm.model.reward_model import RewardModel
-from anchor_rm.evaluation.scores import evaluate_pairs, evaluate_pairs_with_ood, flagged_set
 
 EVALUATION_EXPERIMENT = "anchor-rm-evaluations"
 WHOLE_SET = "all"  # the report's split for a data set scored as given, not a protocol split
@@ -223,8 +223,8 @@ def evaluate_and_record(sets: Sequence[EvaluationSet], model_uri: str, *, teache
     from contextlib import nullcontext
 
     from anchor_rm.evaluation import keys
-    from anchor_rm.mlflow_edge import runs, store
     from anchor_rm.evaluation.report_files import write_report
+    from anchor_rm.mlflow_edge import runs, store
     from anchor_rm.model.reward_model import load_saved, training_device
 
     log = logging.getLogger("anchor_rm")

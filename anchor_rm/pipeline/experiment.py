@@ -14,23 +14,23 @@ from dataclasses import dataclass
 import numpy as np
 
 from anchor_rm.data.catalog import COUNTER_TARGETS, dataset_digest, iter_dataset_pairs
-from anchor_rm.pipeline.config import ProtocolConfig
+from anchor_rm.data.splits import ProtocolSplits, build_protocol_splits
+from anchor_rm.evaluation import keys
+from anchor_rm.evaluation.keys import cache_key
 from anchor_rm.evaluation.metrics import (HeadlineChoice, apply_temperature, calibration, choose_headline_targets,
                                           fit_temperature, label_information)
-from anchor_rm.model.ood_flag import measure_sets
 from anchor_rm.evaluation.premise import SetCorrectness, jsonable, not_measured, premise_check
 from anchor_rm.evaluation.report import EvaluationReport, build_report
-from anchor_rm.evaluation import keys
-from anchor_rm.mlflow_edge import runs
-from anchor_rm.evaluation.keys import cache_key
-from anchor_rm.mlflow_edge.runs import ActiveRunSink, StageRun, stage_run
-from anchor_rm.data.splits import ProtocolSplits, build_protocol_splits
-from anchor_rm.method.student import Validation, train_student
-from anchor_rm.method.training import TrainConfig
-from anchor_rm.model.reward_model import RewardModel
 from anchor_rm.evaluation.scores import (evaluate_model, evaluate_pairs_with_ood, evaluation_sets, fit_ood_flag,
                                          flagged_set, scores_from_dict, scores_to_dict, split_results)
 from anchor_rm.method.stages import load_student, reference_states, soft_labels
+from anchor_rm.method.student import Validation, train_student
+from anchor_rm.method.training import TrainConfig
+from anchor_rm.mlflow_edge import runs
+from anchor_rm.mlflow_edge.runs import ActiveRunSink, StageRun, stage_run
+from anchor_rm.model.ood_flag import measure_sets
+from anchor_rm.model.reward_model import RewardModel
+from anchor_rm.pipeline.config import ProtocolConfig
 
 log = logging.getLogger("anchor_rm")
 

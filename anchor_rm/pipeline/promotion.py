@@ -49,11 +49,11 @@ from dataclasses import dataclass
 from datetime import datetime, timezone
 from typing import Callable, Literal
 
-from anchor_rm.mlflow_edge import registry, store
 from anchor_rm.evaluation.keys import (CHALLENGER, CHAMPION, PREVIOUS_CHAMPION, PROMOTED_AT_TAG, PROMOTED_FROM_TAG,
                                        PROMOTION_FORCED_TAG, REPORT_JSON, ROLLED_BACK_AT_TAG, ROLLED_BACK_FROM_TAG)
 from anchor_rm.evaluation.report import EvaluationReport
 from anchor_rm.evaluation.report_summary import test_splits_digest, validation_splits_digest
+from anchor_rm.mlflow_edge import registry, store
 
 DEFAULT_MAX_ID_DROP = 2.0  # points
 DEFAULT_SETTLE_SECONDS = 1.0

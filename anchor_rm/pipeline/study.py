@@ -18,23 +18,23 @@ from pathlib import Path
 from typing import Callable
 
 from anchor_rm.data.catalog import CATEGORIES
-from anchor_rm.pipeline.config import ProtocolConfig, preset
-from anchor_rm.method.drift import evaluate_with_drift, evaluation_reference
-from anchor_rm.pipeline.experiment import STAGE_VERSION, SharedStages, build_splits, prepare_shared, split_digests
-from anchor_rm.method.losses import resolve_anchor_layers
-from anchor_rm.evaluation.metrics import transfer_metrics
-from anchor_rm.model.precision import cpu_model, driver_device_type, resolve_precision
 from anchor_rm.evaluation import keys
-from anchor_rm.mlflow_edge import runs
 from anchor_rm.evaluation.keys import cache_key, metric_name
-from anchor_rm.mlflow_edge.runs import ActiveRunSink, stage_run
-from anchor_rm.method.reference_cache import ReferenceStates
+from anchor_rm.evaluation.metrics import transfer_metrics
 from anchor_rm.evaluation.report_files import write_atomically
+from anchor_rm.evaluation.scores import evaluation_sets, scores_to_dict
+from anchor_rm.method.drift import evaluate_with_drift, evaluation_reference
+from anchor_rm.method.losses import resolve_anchor_layers
+from anchor_rm.method.reference_cache import ReferenceStates
+from anchor_rm.method.stages import frozen_reference, load_student, reference_states
 from anchor_rm.method.student import train_student
 from anchor_rm.method.training import TEACHER_LABELS, TrainConfig
-from anchor_rm.evaluation.scores import evaluation_sets, scores_to_dict
-from anchor_rm.method.stages import frozen_reference, load_student, reference_states
+from anchor_rm.mlflow_edge import runs
+from anchor_rm.mlflow_edge.runs import ActiveRunSink, stage_run
+from anchor_rm.model.precision import cpu_model, driver_device_type, resolve_precision
 from anchor_rm.model.reward_model import training_device
+from anchor_rm.pipeline.config import ProtocolConfig, preset
+from anchor_rm.pipeline.experiment import STAGE_VERSION, SharedStages, build_splits, prepare_shared, split_digests
 
 log = logging.getLogger("anchor_rm")
 
