@@ -53,6 +53,14 @@ def add_precision_argument(parser) -> None:
                              "AVX512-BF16 or AMX) and fp32 everywhere else; the choice is logged and recorded")
 
 
+def add_frozen_layers_argument(parser) -> None:
+    parser.add_argument("--frozen-layers", type=int, metavar="K",
+                        help="freeze the embeddings and the lowest K transformer layers of the student and the ceiling "
+                             "(no gradient, no optimiser state; their forward pass still runs): about 0.8x the epoch "
+                             "time for K=2 of MiniLM-L6 on an AVX2 CPU (docs/benchmarks.md); every anchored layer must "
+                             "lie above K (default 0: full fine-tuning)")
+
+
 def add_teacher_labels_argument(parser) -> None:
     parser.add_argument("--teacher-labels", choices=["raw", "calibrated"],
                         help="the weak teacher's soft labels the students train on: raw, or calibrated (scaled by the "

@@ -16,9 +16,9 @@ import logging
 import sys
 import time
 
-from anchor_rm.cli.common import (
-    SCALE_FIELDS, add_dry_run_argument, add_precision_argument, add_scale_arguments, add_teacher_labels_argument,
-    apply_shared_flags, category_of, clean_errors, memory_plan_or_dry_run, protocol_parser, seed_number, setup_logging)
+from anchor_rm.cli.common import (SCALE_FIELDS, add_dry_run_argument, add_frozen_layers_argument,
+    add_precision_argument, add_scale_arguments, add_teacher_labels_argument, apply_shared_flags, category_of,
+    clean_errors, memory_plan_or_dry_run, protocol_parser, seed_number, setup_logging)
 
 log = logging.getLogger("anchor_rm")
 
@@ -39,11 +39,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--batch-size", type=int, help="pairs per optimiser step")
     p.add_argument("--learning-rate", type=float)
     p.add_argument("--max-length", type=int, help="tokens per (prompt, response); the prompt is cut from the left")
-    p.add_argument("--frozen-layers", type=int, metavar="K",
-                   help="freeze the embeddings and the lowest K transformer layers of the student and the ceiling "
-                        "(no gradient, no optimiser state; their forward pass still runs): about 0.8x the epoch "
-                        "time for K=2 of MiniLM-L6 on an AVX2 CPU (docs/benchmarks.md); every anchored layer must "
-                        "lie above K (default 0: full fine-tuning)")
+    add_frozen_layers_argument(p)
     add_teacher_labels_argument(p)
     add_scale_arguments(p)
     add_dry_run_argument(p)

@@ -19,10 +19,9 @@ import argparse
 import sys
 from pathlib import Path
 
-from anchor_rm.cli.common import (
-    SCALE_FIELDS, add_dry_run_argument, add_precision_argument, add_scale_arguments, add_teacher_labels_argument,
-    apply_shared_flags, byte_size, category_of, clean_errors, lambda_range, memory_plan_or_dry_run, protocol_parser,
-    seed_number, setup_logging)
+from anchor_rm.cli.common import (SCALE_FIELDS, add_dry_run_argument, add_frozen_layers_argument,
+    add_precision_argument, add_scale_arguments, add_teacher_labels_argument, apply_shared_flags, byte_size,
+    category_of, clean_errors, lambda_range, memory_plan_or_dry_run, protocol_parser, seed_number, setup_logging)
 
 
 
@@ -33,11 +32,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--concurrency", type=int, default=1, help="trials running at once (default 1)")
     p.add_argument("--workers-per-trial", type=int, default=1, help="Ray Train workers (DDP processes) per trial")
     p.add_argument("--epochs", type=int, help="epochs per trial (ASHA may stop a trial after any epoch)")
-    p.add_argument("--frozen-layers", type=int, metavar="K",
-                   help="freeze the embeddings and the lowest K transformer layers of the student and the ceiling "
-                        "(no gradient, no optimiser state; their forward pass still runs): about 0.8x the epoch "
-                        "time for K=2 of MiniLM-L6 on an AVX2 CPU (docs/benchmarks.md); every anchored layer must "
-                        "lie above K (default 0: full fine-tuning)")
+    add_frozen_layers_argument(p)
     add_teacher_labels_argument(p)
     add_scale_arguments(p)
     p.add_argument("--strategy", choices=["ddp", "fsdp2"],
